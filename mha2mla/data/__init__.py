@@ -1,0 +1,1 @@
+"""Bundled and fetched data: the default model, held-out texts, calibration samples."""

@@ -1,0 +1,1 @@
+"""Attention and cache helpers for the MLA checkpoints that mha2mla writes."""

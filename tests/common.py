@@ -1,0 +1,128 @@
+"""Tiny random models and a tiny tokenizer, built in-process (no network) for fast tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SAMPLE_TEXT = (
+    "In the beginning the model had many heads, and every head kept its own keys and values. "
+    "Then the keys were gathered into a latent, and the cache grew small. "
+    "def add(a, b):\n    return a + b\n"
+) * 8
+
+
+def tiny_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few sentences (ids < vocab_size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([SAMPLE_TEXT], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+
+
+def source_config(
+    family: str = "llama",
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vocab_size: int = 384,
+    intermediate_size: int = 96,
+    rope_theta: float = 10000.0,
+    tie_word_embeddings: bool = False,
+    **extra,
+):
+    from transformers import AutoConfig
+
+    kwargs = dict(
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_hidden_layers=num_layers,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    kwargs.update(extra)
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def build_source(path: Path, family: str = "llama", seed: int = 0, with_tokenizer: bool = True, **config_kwargs) -> Path:
+    """Save a random source model of ``family`` (safetensors) and a tiny tokenizer to ``path``."""
+    torch.manual_seed(seed)
+    config = source_config(family, **config_kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights so attention patterns are far from uniform
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    if with_tokenizer:
+        tiny_tokenizer().save_pretrained(path)
+    return Path(path)
+
+
+def tiny_deepseek_config(
+    num_heads: int = 4,
+    hidden_size: int = 64,
+    kv_lora_rank: int = 24,
+    qk_rope_head_dim: int = 8,
+    qk_nope_head_dim: int = 16,
+    v_head_dim: int = 16,
+    num_layers: int = 2,
+    vocab_size: int = 384,
+    **extra,
+):
+    """A dense (no MoE) DeepSeek-V3 MLA config of the kind ``mha2mla convert`` writes."""
+    from transformers import DeepseekV3Config
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=qk_rope_head_dim,
+        qk_nope_head_dim=qk_nope_head_dim,
+        v_head_dim=v_head_dim,
+        first_k_dense_replace=num_layers,
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        num_nextn_predict_layers=0,
+        rope_interleave=True,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    kwargs.update(extra)
+    return DeepseekV3Config(**kwargs)
