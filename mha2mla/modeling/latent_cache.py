@@ -1,0 +1,107 @@
+"""The MLA latent cache: ``r + d_r`` values per token per layer, nothing per head.
+
+One preallocated tensor ``[L, B, T_max, r + d_r]`` holds, for every layer, batch row and position, the
+*normalised* latent ``c`` (after ``kv_a_layernorm``, ``r`` values) followed by the *rotated* rope key
+``k_pe`` (``d_r`` values) — exactly what transformers' DeepseekV3 caches, laid out side by side so
+that one matmul scores a query against both. Sequences are ragged: row ``b`` holds ``lengths[b]`` valid
+positions starting at 0 (no left padding, so every sequence keeps its own positions 0, 1, 2, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LatentCache:
+    data: torch.Tensor  # (L, B, T_max, r + d_r)
+    lengths: torch.Tensor  # (B,) int64, valid positions per row
+    kv_lora_rank: int  # r
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        batch_size: int,
+        max_tokens: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> "LatentCache":
+        data = torch.zeros(num_layers, batch_size, max_tokens, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+        lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return cls(data=data, lengths=lengths, kv_lora_rank=kv_lora_rank)
+
+    @property
+    def num_layers(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def values_per_token_per_layer(self) -> int:
+        return self.data.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache (the whole preallocated tensor)."""
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.data[layer]  # (B, T_max, r + d_r)
+
+    def write_prefill(self, layer: int, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
+        """Store a right-padded prefill chunk at positions ``0..T-1`` of every row.
+
+        latent (B, T, r) normalised, rope_key (B, T, d_r) rotated. Positions past a row's length hold padding
+        that decode never reads and later overwrites.
+        """
+        tokens = latent.shape[1]
+        if tokens > self.max_tokens:
+            raise ValueError(f"prefill of {tokens} tokens does not fit a cache of {self.max_tokens}")
+        rank = self.kv_lora_rank
+        self.data[layer, :, :tokens, :rank] = latent
+        self.data[layer, :, :tokens, rank:] = rope_key
+
+    def write_step(self, layer: int, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
+        """Store one new token per row at position ``lengths[b]``. latent (B, r), rope_key (B, d_r)."""
+        if int(self.lengths.max()) >= self.max_tokens:
+            raise ValueError(f"the latent cache is full ({self.max_tokens} tokens)")
+        rows = torch.arange(self.batch_size, device=self.data.device)
+        self.data[layer, rows, self.lengths] = torch.cat([latent, rope_key], dim=-1).to(self.data.dtype)
+
+    def repeat_rows(self, times: int) -> "LatentCache":
+        """A cache of ``B * times`` rows, each row repeated ``times`` times (benchmarks use it to skip prefills)."""
+        return LatentCache(
+            data=self.data.repeat_interleave(times, dim=1),
+            lengths=self.lengths.repeat_interleave(times),
+            kv_lora_rank=self.kv_lora_rank,
+        )
+
+
+def absorbed_decode_attention_torch(
+    query: torch.Tensor, cache_layer: torch.Tensor, lengths: torch.Tensor, kv_lora_rank: int, scale: float
+) -> torch.Tensor:
+    """Absorbed attention of one new token per row over the latent cache, in plain PyTorch.
+
+    query (B, H, r + d_r): ``[W_UK^T q_nope ; q_pe]`` per head; cache_layer (B, T, r + d_r) with at least
+    ``max(lengths)`` positions; lengths (B,) valid positions per row (the new token already written).
+    Returns o_lat (B, H, r) = sum_t softmax_t(scale * query . cache[t]) c[t]; W_UV is applied by the caller.
+    """
+    tokens = int(lengths.max())
+    keys = cache_layer[:, :tokens]  # (B, T, r + d_r)
+    scores = torch.matmul(query, keys.transpose(1, 2)).float() * scale  # (B, H, T)
+    positions = torch.arange(tokens, device=query.device)
+    invalid = positions[None, :] >= lengths[:, None]  # (B, T)
+    scores = scores.masked_fill(invalid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)  # (B, H, T)
+    return torch.matmul(probs, keys[..., :kv_lora_rank])  # (B, H, r)
