@@ -208,9 +208,9 @@ class _IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.emitted = [0] * rows
 
-    def push(self, row: int, tokens: list[int]) -> str:
+    def push(self, row: int, tokens: list[int], final: bool = False) -> str:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd") and not final:
             return ""
         new = text[self.emitted[row] :]
         self.emitted[row] = len(text)
@@ -472,9 +472,10 @@ class MLAEngine:
                 if token in eos:
                     finished[row] = True
                     results[row].finish_reason = "eos"
-                if detok is not None:
-                    piece = detok.push(row, results[row].tokens)
-                    if piece and stream is not None:
+                if detok is not None and stream is not None:
+                    last = finished[row] or step == max_new_tokens - 1
+                    piece = detok.push(row, results[row].tokens, final=last)
+                    if piece:
                         stream(row, piece)
             if all(finished) or step == max_new_tokens - 1:
                 break

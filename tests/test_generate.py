@@ -1,0 +1,183 @@
+"""Latent-cache generation (mha2mla.modeling.engine) against transformers' DeepseekV3 on tiny random models."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from mha2mla import UserError
+from mha2mla.modeling.absorbed import write_absorbed
+from mha2mla.modeling.engine import MLAEngine, sample_next
+from common import tiny_deepseek_config, tiny_tokenizer
+
+CONFIGS = {
+    "plain": {},
+    "plain-tied": {"tie_word_embeddings": True},
+    "exact-like": {"q_lora_rank": 12, "attention_bias": True},
+}
+PROMPTS = [[5, 17, 3, 99, 42, 7, 250, 11, 64], [9, 8], [120, 33, 200, 1, 77]]
+
+
+def _save_random_mla(folder, seed: int = 0, with_absorbed: bool = True, **config_kwargs):
+    torch.manual_seed(seed)
+    config = tiny_deepseek_config(**config_kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger-than-default weights: peaked attention, logits of several units
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(folder)
+    if with_absorbed:
+        write_absorbed(folder, model.state_dict(), config)
+    tiny_tokenizer().save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"mla-{request.param}")
+    model = _save_random_mla(folder, **CONFIGS[request.param])
+    return folder, model, MLAEngine.from_pretrained(folder)
+
+
+def _reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]  # (T, V)
+
+
+def test_logits_equal_transformers_every_step_of_64(checkpoint):
+    _, model, engine = checkpoint
+    [result] = engine.generate([PROMPTS[0]], max_new_tokens=64, eos_token_ids=[], return_logits=True)
+    assert len(result.tokens) == 64 and result.finish_reason == "length"
+    reference = _reference_logits(model, result.prompt_tokens + result.tokens)
+    start = len(result.prompt_tokens) - 1
+    expected = reference[start : start + 64]  # the logits that chose each generated token
+    assert reference.abs().max() > 1.0  # the comparison is not between near-zero logits
+    torch.testing.assert_close(result.logits, expected, atol=1e-4, rtol=0)
+    assert result.tokens == expected.argmax(-1).tolist()
+
+
+def test_cache_holds_what_transformers_caches(checkpoint):
+    """After prefill, row b of the latent cache equals transformers' DeepseekV3 cache: the normalised latent
+    (r values) and the rotated rope key (d_r values), nothing per head."""
+    _, model, engine = checkpoint
+    config = engine.config
+    cache = engine.new_cache(len(PROMPTS), 16)
+    engine.prefill(cache, PROMPTS)
+    assert cache.lengths.tolist() == [len(p) for p in PROMPTS]
+    for row, prompt in enumerate(PROMPTS):
+        reference = DynamicCache(config=config)
+        with torch.no_grad():
+            model(torch.tensor([prompt]), cache=reference, use_cache=True)
+        for layer in range(config.num_hidden_layers):
+            stored = cache.layer(layer)[row, : len(prompt)]  # (T, r + d_r)
+            expected_latent = reference.layers[layer].keys[0, 0]  # (T, r)
+            expected_rope_key = reference.layers[layer].values[0, 0]  # (T, d_r)
+            torch.testing.assert_close(stored[:, : config.kv_lora_rank], expected_latent, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(stored[:, config.kv_lora_rank :], expected_rope_key, atol=1e-5, rtol=1e-5)
+
+
+def test_ragged_batch_equals_one_prompt_at_a_time(checkpoint):
+    _, _, engine = checkpoint
+    batch = engine.generate(PROMPTS, max_new_tokens=20, eos_token_ids=[], return_logits=True)
+    for prompt, batched in zip(PROMPTS, batch):
+        [alone] = engine.generate([prompt], max_new_tokens=20, eos_token_ids=[], return_logits=True)
+        assert batched.tokens == alone.tokens
+        torch.testing.assert_close(batched.logits, alone.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_bytes_are_latent_plus_rope_per_token_per_layer(checkpoint, dtype):
+    folder, _, _ = checkpoint
+    engine = MLAEngine.from_pretrained(folder, dtype=dtype)
+    config = engine.config
+    tokens = 37
+    cache = engine.new_cache(batch_size=2, max_tokens=tokens)
+    element = torch.empty((), dtype=dtype).element_size()
+    per_row = (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers * tokens * element
+    assert cache.nbytes == 2 * per_row
+    assert cache.data.dtype == dtype and cache.data.untyped_storage().nbytes() == cache.nbytes
+
+
+def test_eos_stops_only_its_row(checkpoint):
+    _, _, engine = checkpoint
+    free = engine.generate(PROMPTS[:2], max_new_tokens=12, eos_token_ids=[])
+    eos = free[0].tokens[4]
+    stop_at = free[0].tokens.index(eos)  # the first time row 0 emits it
+    stopped = engine.generate(PROMPTS[:2], max_new_tokens=12, eos_token_ids=[eos])
+    assert stopped[0].tokens == free[0].tokens[: stop_at + 1]
+    assert stopped[0].finish_reason == "eos"
+    if eos not in free[1].tokens:
+        assert stopped[1].tokens == free[1].tokens and stopped[1].finish_reason == "length"
+    else:
+        assert stopped[1].tokens == free[1].tokens[: free[1].tokens.index(eos) + 1]
+
+
+def test_sampling_is_reproducible_with_a_seed(checkpoint):
+    _, _, engine = checkpoint
+    kwargs = dict(max_new_tokens=24, temperature=1.5, top_p=0.95, eos_token_ids=[])
+    first = engine.generate(PROMPTS, seed=123, **kwargs)
+    again = engine.generate(PROMPTS, seed=123, **kwargs)
+    other = engine.generate(PROMPTS, seed=124, **kwargs)
+    greedy = engine.generate(PROMPTS, max_new_tokens=24, eos_token_ids=[])
+    assert [r.tokens for r in first] == [r.tokens for r in again]
+    assert [r.tokens for r in first] != [r.tokens for r in other]
+    assert [r.tokens for r in first] != [r.tokens for r in greedy]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    generator = torch.Generator().manual_seed(0)
+    drawn = {int(sample_next(logits, 1.0, 0.75, generator)) for _ in range(300)}
+    assert drawn == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
+    assert int(sample_next(logits, 1.0, 1e-6, generator)) == 0  # a tiny top-p is greedy
+    assert int(sample_next(logits, 0.0, 1.0, None)) == 0
+
+
+def test_streamed_text_is_the_final_text(checkpoint):
+    _, _, engine = checkpoint
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    results = engine.generate(["the latent ", "def add("], max_new_tokens=30, eos_token_ids=[],
+                              stream=lambda row, text: pieces[row].append(text))
+    for row, result in enumerate(results):
+        assert result.text and "".join(pieces[row]) == result.text
+
+
+def _run_cli(argv, capsys):
+    from mha2mla.cli.main import main
+
+    old = sys.argv
+    sys.argv = ["mha2mla", *argv]
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    finally:
+        sys.argv = old
+    return code, capsys.readouterr()
+
+
+def test_cli_streams_generated_text(checkpoint, capsys):
+    folder, _, engine = checkpoint
+    [expected] = engine.generate(["the latent "], max_new_tokens=10, eos_token_ids=[])
+    code, out = _run_cli(["generate", str(folder), "--prompt", "the latent ", "--max-new-tokens", "10",
+                          "--ignore-eos"], capsys)
+    assert code == 0, out.err
+    assert out.out.rstrip("\n") == expected.text
+
+
+def test_cli_without_absorbed_weights_says_so(tmp_path, capsys):
+    _save_random_mla(tmp_path, with_absorbed=False)
+    code, out = _run_cli(["generate", str(tmp_path), "--prompt", "hi"], capsys)
+    assert code == 2
+    assert "no absorbed weights" in out.err and "Traceback" not in out.err
+    with pytest.raises(UserError):
+        MLAEngine.from_pretrained(tmp_path)
