@@ -1,0 +1,125 @@
+"""Load what ``mha2mla eval`` evaluates: a local Hugging Face folder, a ``.gguf`` file, or a hub id when online.
+
+Every path ends in a causal LM on one device in eval mode plus its tokenizer, so a model loaded here and
+one passed in from memory go through exactly the same evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mha2mla import UserError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # a short label for tables and plots
+    path: str  # what the user passed, resolved
+    kind: str  # "folder" | "gguf" | "hub"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None):
+    """``"auto"`` (the checkpoint's own dtype, lm-eval's default too) or one of DTYPES."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype or "auto"
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_causal_lm_folder(folder: Path) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise UserError(f"{folder} is not a Hugging Face model folder (it has no config.json).")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise UserError(f"{config_file} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+        not architectures or any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    )
+    if not causal:
+        what = f"a {model_type!r} model" if model_type else "a model without a model_type"
+        arch = f" ({', '.join(architectures)})" if architectures else ""
+        raise UserError(
+            f"{folder} holds {what}{arch}, not a causal language model; eval needs a *ForCausalLM checkpoint."
+        )
+
+
+def _clear_gguf_quantizer(model) -> None:
+    """transformers dequantizes GGUF weights on load; drop the quantizer records so the model acts as a plain one."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str | None = None) -> LoadedModel:
+    """Load ``spec`` (folder, ``.gguf`` file, ``"default"`` for the default SmolLM2 GGUF, or a hub id when online)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mha2mla.data import assets
+    from mha2mla.evaluation.tasks import is_offline
+
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype)
+    spec = str(spec)
+    path = assets.default_model_gguf() if spec == "default" else Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"{path} is a file but not a .gguf model; pass a model folder or a .gguf file.")
+        kind, name = "gguf", path.stem
+        folder, gguf = str(path.parent), path.name
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch_dtype)
+        except (ValueError, OSError, KeyError) as error:
+            raise UserError(
+                f"could not load {path} as a GGUF causal LM ({str(error).splitlines()[0][:200]})."
+            ) from None
+        _clear_gguf_quantizer(model)
+    elif path.is_dir():
+        _check_causal_lm_folder(path)
+        kind, name = "folder", path.name
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (ValueError, OSError) as error:
+            raise UserError(f"{path} has no usable tokenizer ({str(error).splitlines()[0][:200]}).") from None
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    else:
+        looks_like_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+        if not looks_like_hub_id:
+            raise UserError(
+                f"{spec} does not exist; pass a model folder, a .gguf file or a Hugging Face hub id."
+            )
+        if is_offline():
+            raise UserError(
+                f"{spec} is not a local path and this machine is offline, so it can't be fetched from the hub."
+            )
+        kind, name = "hub", spec.split("/")[-1]
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+    model.to(device).eval()
+    log.info("loaded %s (%s, %s) on %s", name, kind, next(model.parameters()).dtype, device)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, name=name, path=str(path if kind != "hub" else spec), kind=kind
+    )

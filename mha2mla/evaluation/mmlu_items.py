@@ -1,0 +1,74 @@
+"""Build the bundled MMLU dev items from the copy that lm-evaluation-harness ships.
+
+lm-eval carries the five MMLU *dev* questions of each of the 57 subjects as few-shot examples of its
+``mmlu_flan_cot_fewshot`` tasks (``lm_eval/tasks/mmlu/flan_cot_fewshot/mmlu_<subject>.yaml``). We keep the
+question, the four choices and the answer letter (MMLU is MIT-licensed, Hendrycks et al. 2021) and drop
+the chain-of-thought rationales. The result is committed as ``mha2mla/data/tasks/mmlu_dev.jsonl``;
+regenerate it with ``python -m mha2mla.evaluation.mmlu_items``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+BUNDLED_TASK_DATA = Path(__file__).resolve().parent.parent / "data" / "tasks"
+MMLU_DEV_FILE = BUNDLED_TASK_DATA / "mmlu_dev.jsonl"
+
+# "<question>\n(A) <a> (B) <b> (C) <c> (D) <d>", choices split by a space or a newline;
+# the question is greedy so an "(A)" inside it stays in the question.
+_QUESTION = re.compile(
+    r"^(?P<question>.*)\n\(A\) (?P<a>.*?)\s\(B\) (?P<b>.*?)\s\(C\) (?P<c>.*?)\s\(D\) (?P<d>.*)$", re.DOTALL
+)
+_ANSWER = re.compile(r"answer is \(([ABCD])\)")
+
+
+def parse_item(subject: str, question: str, target: str) -> dict | None:
+    """One MMLU item from a flan-cot few-shot sample, or None when the sample doesn't have the usual shape."""
+    match = _QUESTION.match(question.strip())
+    answers = _ANSWER.findall(target)
+    if match is None or not answers:
+        return None
+    choices = [" ".join(match[key].split()) for key in "abcd"]
+    return {
+        "subject": subject,
+        "question": match["question"].strip(),
+        "choices": choices,
+        "answer": "ABCD".index(answers[-1]),  # the rationale's last verdict is the answer
+    }
+
+
+def extract_mmlu_dev_items(lm_eval_tasks_dir: Path | None = None) -> tuple[list[dict], int]:
+    """All parseable dev items (sorted by subject, in file order) and the number of samples skipped."""
+    if lm_eval_tasks_dir is None:
+        import lm_eval.tasks
+
+        lm_eval_tasks_dir = Path(lm_eval.tasks.__file__).parent
+    folder = Path(lm_eval_tasks_dir) / "mmlu" / "flan_cot_fewshot"
+    items, skipped = [], 0
+    for path in sorted(folder.glob("mmlu_*.yaml")):
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+        subject = config["dataset_name"]
+        for sample in config.get("fewshot_config", {}).get("samples", []):
+            item = parse_item(subject, sample["question"], sample["target"])
+            if item is None:
+                skipped += 1
+            else:
+                items.append(item)
+    return items, skipped
+
+
+def write_mmlu_dev_items(path: Path = MMLU_DEV_FILE) -> tuple[int, int]:
+    items, skipped = extract_mmlu_dev_items()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as out:
+        out.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
+    return len(items), skipped
+
+
+if __name__ == "__main__":
+    written, skipped = write_mmlu_dev_items()
+    print(f"wrote {written} items to {MMLU_DEV_FILE} ({skipped} samples skipped)")

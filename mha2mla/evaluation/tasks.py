@@ -1,0 +1,195 @@
+"""Which lm-evaluation-harness tasks we can run, and the bundled ones that always run offline.
+
+Bundled tasks are plain lm-eval YAML tasks (``dataset_path: json`` over local files), written into
+``$MHA2MLA_CACHE/eval_tasks/`` at run time so their ``data_files`` can be absolute paths:
+
+- ``kjv_ppl`` / ``python_docs_ppl``: rolling log-likelihood (perplexity) on held-out slices of the King James
+  Bible and the Python 3.11 documentation (the texts of ``mha2mla.data.assets``), cut into documents of whole
+  lines starting one third of the way into each text -- the same start point as the project's benchmarks;
+- ``mmlu_dev_mc``: the 281 MMLU dev questions shipped in ``mha2mla/data/tasks/mmlu_dev.jsonl`` (MIT licence),
+  scored like lm-eval's ``mmlu``: the answer letter after the four lettered choices;
+- ``mmlu_dev_cloze``: the same questions scored on the full answer text (``acc`` and ``acc_norm``), which moves
+  more smoothly than letter accuracy for small models.
+
+The tag ``mha2mla_offline`` names all four. Point lm-eval's own CLI at the same tasks with
+``--include_path $(python -c "from mha2mla.evaluation import bundled_task_dir; print(bundled_task_dir())")``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import os
+import socket
+from pathlib import Path
+
+import yaml
+
+from mha2mla import UserError
+from mha2mla.data import assets
+from mha2mla.evaluation.mmlu_items import MMLU_DEV_FILE
+
+OFFLINE_TAG = "mha2mla_offline"
+PERPLEXITY_TASKS = {"kjv_ppl": "kjv", "python_docs_ppl": "python_docs"}
+MULTIPLE_CHOICE_TASKS = ("mmlu_dev_mc", "mmlu_dev_cloze")
+BUNDLED_TASKS = (*PERPLEXITY_TASKS, *MULTIPLE_CHOICE_TASKS)
+DEFAULT_TASKS = BUNDLED_TASKS
+
+# Held-out documents: whole lines, at least DOC_CHARS characters each (about 1k tokens for a 49k-vocab BPE).
+NUM_DOCS = 16
+DOC_CHARS = 4096
+START_FRACTION = 1 / 3
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def held_out_documents(name: str, num_docs: int = NUM_DOCS, doc_chars: int = DOC_CHARS) -> list[str]:
+    """``num_docs`` documents of whole lines from held-out text ``name``, from ``START_FRACTION`` of the way in."""
+    text = assets.held_out_text_path(name).read_text(encoding="utf-8")
+    start = text.find("\n", int(len(text) * START_FRACTION)) + 1  # begin on a line boundary
+    lines = text[start:].splitlines(keepends=True)
+    docs, current = [], ""
+    for line in lines:
+        current += line
+        if len(current) >= doc_chars:
+            docs.append(current.rstrip("\n"))
+            current = ""
+            if len(docs) == num_docs:
+                return docs
+    raise UserError(
+        f"held-out text {name!r} is too short for {num_docs} documents of {doc_chars} characters."
+    )
+
+
+def _perplexity_task(task: str, data_file: Path) -> dict:
+    return {
+        "task": task,
+        "tag": [OFFLINE_TAG],
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test",
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "text",
+        "metric_list": [
+            {"metric": "word_perplexity"},
+            {"metric": "byte_perplexity"},
+            {"metric": "bits_per_byte"},
+        ],
+        "metadata": {"version": 1.0},
+    }
+
+
+def _multiple_choice_task(task: str, data_file: Path) -> dict:
+    common = {
+        "task": task,
+        "tag": [OFFLINE_TAG],
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_target": "answer",
+        "metadata": {"version": 1.0},
+    }
+    if task == "mmlu_dev_mc":  # lm-eval's mmlu prompt: lettered choices, the letter is scored
+        return {
+            **common,
+            "doc_to_text": "The following are multiple choice questions (with answers) about "
+            "{{subject.replace('_', ' ')}}.\n\n{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\n"
+            "C. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:",
+            "doc_to_choice": ["A", "B", "C", "D"],
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        }
+    return {  # cloze: the question alone, each full answer text scored as a continuation
+        **common,
+        "doc_to_text": "Question: {{question.strip()}}\nAnswer:",
+        "doc_to_choice": "{{choices}}",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+    }
+
+
+def _write_if_changed(path: Path, content: str) -> None:
+    if path.exists() and path.read_text(encoding="utf-8") == content:
+        return  # unchanged: keep the mtime so the datasets cache stays valid
+    part = path.with_suffix(path.suffix + ".part")
+    part.write_text(content, encoding="utf-8")
+    os.replace(part, path)
+
+
+def bundled_task_dir() -> Path:
+    """Write the bundled task YAMLs (and the held-out documents) into the cache; return the folder for lm-eval."""
+    folder = assets.cache_dir() / "eval_tasks"
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, text_name in PERPLEXITY_TASKS.items():
+        data_file = folder / f"{task}.jsonl"
+        docs = held_out_documents(text_name)
+        _write_if_changed(
+            data_file, "".join(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in docs)
+        )
+        _write_if_changed(
+            folder / f"{task}.yaml", yaml.safe_dump(_perplexity_task(task, data_file), sort_keys=False)
+        )
+    for task in MULTIPLE_CHOICE_TASKS:
+        config = _multiple_choice_task(task, MMLU_DEV_FILE)
+        _write_if_changed(folder / f"{task}.yaml", yaml.safe_dump(config, sort_keys=False))
+    return folder
+
+
+def is_offline() -> bool:
+    """True when HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set or the Hugging Face Hub can't be reached."""
+    if any(
+        os.environ.get(var, "").strip().lower() in _TRUE for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
+        return True
+    return not _hub_reachable()
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_reachable() -> bool:
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+def task_manager():
+    """An lm-eval TaskManager that knows lm-eval's own tasks and the bundled ones."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(bundled_task_dir()))
+
+
+def parse_task_list(tasks: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """Task names from a comma-separated string or a list (each item may itself hold commas)."""
+    if tasks is None:
+        return list(DEFAULT_TASKS)
+    items = [tasks] if isinstance(tasks, str) else list(tasks)
+    names = [name.strip() for item in items for name in item.split(",") if name.strip()]
+    if not names:
+        raise UserError("no task names given; pass e.g. --tasks kjv_ppl,mmlu_dev_mc.")
+    return list(dict.fromkeys(names))
+
+
+def check_tasks(names: list[str], manager, offline: bool | None = None) -> None:
+    """Raise UserError for an unknown task name, or for a hub task when the machine is offline."""
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = (
+                f"did you mean {', '.join(close)}?"
+                if close
+                else f"bundled offline tasks: {', '.join(BUNDLED_TASKS)}."
+            )
+            raise UserError(f"unknown task {name!r}; {hint}")
+    hub = [name for name in names if name not in BUNDLED_TASKS and name != OFFLINE_TAG]
+    if hub and (is_offline() if offline is None else offline):
+        raise UserError(
+            f"task {hub[0]!r} downloads its data from the Hugging Face Hub but this machine is offline; "
+            f"run it online or choose bundled tasks ({', '.join(BUNDLED_TASKS)})."
+        )
