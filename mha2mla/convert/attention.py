@@ -1,0 +1,188 @@
+"""One attention layer, MHA/GQA -> MLA (DESIGN §3): the math of rope.py, lowrank.py and norm.py
+put together, written as the DeepSeek-V3 tensors of one layer.
+
+Shapes (source): q_proj [H*d, D], k_proj/v_proj [G*d, D], o_proj [D, H*d].
+Shapes (target): q_proj [H*(d_n+d_r), D] with d_n = d; kv_a_proj_with_mqa [r + d_r, D];
+kv_a_layernorm [r]; kv_b_proj [H*(d_n+d_v), r] with d_v = d; o_proj [D, H*d_v].
+Query head h belongs to KV group h // (H/G).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mha2mla.convert.lowrank import joint_low_rank
+from mha2mla.convert.norm import expected_rms, neutralised_norm
+from mha2mla.convert.rope import head_mixing, interleaved_order, pair_rows
+
+
+@dataclass
+class LayerStatistics:
+    """Activation statistics of one layer's attention input (the seam for calibration-aware init).
+
+    ``input_covariance`` is E[x xᵀ] and ``input_mean`` E[x] for x = the input RMSNorm's output.
+    ``None`` means weight-only (x modelled as isotropic)."""
+
+    input_covariance: torch.Tensor | None = None  # (D, D)
+    input_mean: torch.Tensor | None = None  # (D,)
+    num_tokens: int = 0
+
+
+@dataclass
+class SourceAttention:
+    q_weight: torch.Tensor  # (H*d, D)
+    k_weight: torch.Tensor  # (G*d, D)
+    v_weight: torch.Tensor  # (G*d, D)
+    o_weight: torch.Tensor  # (D, H*d)
+    input_norm_weight: torch.Tensor  # (D,)
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionPlan:
+    num_heads: int  # H
+    num_kv_heads: int  # G
+    head_dim: int  # d
+    rope_pairs: list[int]  # source pairs kept as rope, in target order
+    latent_rank: int  # real latent channels (without the exact profile's constant channel)
+    profile: str = "portable"  # "portable" | "exact"
+    dtype: torch.dtype = torch.float32
+    balance: bool = True
+    use_q_lora: bool = False  # exact profile with a q bias: q through q_a_proj (bias) + neutralised norm
+
+    @property
+    def rope_dim(self) -> int:
+        return 2 * len(self.rope_pairs)
+
+    @property
+    def kv_lora_rank(self) -> int:
+        """The config's kv_lora_rank: what the cache stores (constant channel included)."""
+        return self.latent_rank + (1 if self.profile == "exact" else 0)
+
+
+@dataclass
+class ConvertedAttention:
+    tensors: dict[str, torch.Tensor]  # names relative to ``self_attn.``
+    report: dict = field(default_factory=dict)
+    dropped_biases: list[str] = field(default_factory=list)
+
+
+def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: LayerStatistics | None = None) -> ConvertedAttention:
+    stats = stats or LayerStatistics()
+    f64 = torch.float64
+    H, G, d = plan.num_heads, plan.num_kv_heads, plan.head_dim
+    D = source.q_weight.shape[1]
+    heads_per_group = H // G
+    d_r = plan.rope_dim
+    cov = None if stats.input_covariance is None else stats.input_covariance.to(f64)
+    mean = None if stats.input_mean is None else stats.input_mean.to(f64)
+
+    q_w = source.q_weight.to(f64).view(H, d, D)  # (H, d, D)
+    k_w = source.k_weight.to(f64).view(G, d, D)  # (G, d, D)
+    v_w = source.v_weight.to(f64)  # (G*d, D)
+    q_b = None if source.q_bias is None else source.q_bias.to(f64).view(H, d)
+    k_b = None if source.k_bias is None else source.k_bias.to(f64).view(G, d)
+    v_b = None if source.v_bias is None else source.v_bias.to(f64)
+
+    # softmax scale (d_n + d_r)^-0.5 instead of d^-0.5: fold the ratio into the query rows
+    q_scale = ((d + d_r) / d) ** 0.5
+
+    # --- 1. RoPE split with per-frequency head mixing ------------------------------------------
+    mixing = head_mixing(source.k_weight.to(f64), None if k_b is None else k_b.reshape(-1), plan.rope_pairs, d, cov, mean)
+    rope_rows = interleaved_order(plan.rope_pairs, d)  # source rows, interleaved target order (d_r,)
+    k_rope_w = torch.zeros(d_r, D, dtype=f64)  # the shared rope key's rows
+    k_rope_b = torch.zeros(d_r, dtype=f64)
+    key_nope_w = k_w.clone()  # (G, d, D): what is left of each KV head's key, rotation dropped
+    key_nope_b = None if k_b is None else k_b.clone()
+    q_rope_coeff = torch.zeros(len(plan.rope_pairs), H, dtype=f64)  # per kept pair, per query head
+    for j, pair in enumerate(plan.rope_pairs):
+        u0 = mixing[j, 0]  # (G,) coefficients of the principal component
+        for c, row in enumerate(pair_rows(d, pair)):
+            k_rope_w[2 * j + c] = torch.einsum("g,gD->D", u0, k_w[:, row, :])
+            key_nope_w[:, row, :] -= u0[:, None] * k_rope_w[2 * j + c]
+            if k_b is not None:
+                k_rope_b[2 * j + c] = (u0 * k_b[:, row]).sum()
+                key_nope_b[:, row] -= u0 * k_rope_b[2 * j + c]
+        q_rope_coeff[j] = u0.repeat_interleave(heads_per_group)
+
+    # query rows per head: [q_nope (d) ; q_rope (d_r, interleaved)]
+    q_rope_w = q_w[:, rope_rows, :] * q_rope_coeff.repeat_interleave(2, dim=0).T[:, :, None]  # (H, d_r, D)
+    q_target_w = torch.cat([q_w, q_rope_w], dim=1) * q_scale  # (H, d+d_r, D)
+    q_target_b = None
+    if q_b is not None:
+        q_rope_b = q_b[:, rope_rows] * q_rope_coeff.repeat_interleave(2, dim=0).T  # (H, d_r)
+        q_target_b = torch.cat([q_b, q_rope_b], dim=1) * q_scale  # (H, d+d_r)
+
+    # --- 2. joint low rank of [K_nope; V] -------------------------------------------------------
+    factors = joint_low_rank(key_nope_w.reshape(G * d, D), v_w, plan.latent_rank, cov, balance=plan.balance)
+    up_k = factors.up[: G * d].view(G, d, -1)  # (G, d, r)
+    up_v = factors.up[G * d :].view(G, d, -1)  # (G, d, r)
+    down = factors.down  # (r, D)
+
+    tensors: dict[str, torch.Tensor] = {}
+    dropped: list[str] = []
+    exact = plan.profile == "exact"
+    r = plan.latent_rank
+
+    if exact:
+        # --- 3. neutralise kv_a_layernorm with a constant channel (the last latent channel) ----
+        norm = neutralised_norm(r + 1, plan.dtype)
+        kv_a_w = torch.cat([down, torch.zeros(1, D, dtype=f64), k_rope_w], dim=0)  # (r+1+d_r, D)
+        kv_a_b = torch.cat([torch.zeros(r, dtype=f64), norm.bias_value.to(f64).view(1), k_rope_b])
+        const_k = key_nope_b if key_nope_b is not None else torch.zeros(G, d, dtype=f64)
+        const_v = v_b.view(G, d) if v_b is not None else torch.zeros(G, d, dtype=f64)
+        up_k = torch.cat([up_k / norm.real_scale, const_k[:, :, None] / norm.constant_value], dim=2)  # (G, d, r+1)
+        up_v = torch.cat([up_v / norm.real_scale, const_v[:, :, None] / norm.constant_value], dim=2)
+        tensors["kv_a_proj_with_mqa.bias"] = kv_a_b
+        tensors["kv_a_layernorm.weight"] = norm.norm_weight
+        tensors["o_proj.bias"] = source.o_bias.to(f64) if source.o_bias is not None else torch.zeros(D, dtype=f64)
+    else:
+        # --- 3'. portable: unit-RMS latent, norm weight 1 (far above any eps) ---------------------
+        input_scale = source.input_norm_weight.to(f64)
+        rms = expected_rms(down, cov, None if cov is not None else input_scale)
+        down = down / rms
+        up_k, up_v = up_k * rms, up_v * rms
+        kv_a_w = torch.cat([down, k_rope_w], dim=0)  # (r+d_r, D)
+        tensors["kv_a_layernorm.weight"] = torch.ones(r, dtype=f64)
+        for name, bias in (("q", q_b), ("k_rope", k_b), ("v", v_b), ("o", source.o_bias)):
+            if bias is not None and float(bias.abs().max()) > 0:
+                dropped.append(name)
+
+    # per query head: kv_b rows [k_nope (d) ; v (d)] from its group
+    kv_b = torch.cat([up_k, up_v], dim=1).repeat_interleave(heads_per_group, dim=0)  # (H, 2d, r_cfg)
+    tensors["kv_a_proj_with_mqa.weight"] = kv_a_w
+    tensors["kv_b_proj.weight"] = kv_b.reshape(H * 2 * d, -1)
+    tensors["o_proj.weight"] = source.o_weight.to(f64)
+
+    if exact and plan.use_q_lora:
+        # q = q_b(norm(q_a x + b)): q_a = [I; 0] with bias [0; B], the neutralised norm, q_b = [W_q, b_q]
+        q_norm = neutralised_norm(D + 1, plan.dtype)
+        tensors["q_a_proj.weight"] = torch.cat([torch.eye(D, dtype=f64), torch.zeros(1, D, dtype=f64)])
+        tensors["q_a_proj.bias"] = torch.cat([torch.zeros(D, dtype=f64), q_norm.bias_value.to(f64).view(1)])
+        tensors["q_a_layernorm.weight"] = q_norm.norm_weight
+        bias_column = (q_target_b if q_target_b is not None else torch.zeros(H, d + d_r, dtype=f64)).reshape(-1, 1)
+        tensors["q_b_proj.weight"] = torch.cat(
+            [q_target_w.reshape(H * (d + d_r), D) / q_norm.real_scale, bias_column / q_norm.constant_value], dim=1
+        )
+    else:
+        tensors["q_proj.weight"] = q_target_w.reshape(H * (d + d_r), D)
+        if q_target_b is not None and exact:
+            raise ValueError("a q bias in the exact profile needs use_q_lora=True")
+
+    key_energy = float((k_w * k_w).sum()) if cov is None else float(torch.einsum("gdi,ij,gdj->", k_w, cov, k_w))
+    rope_energy = float((k_rope_w * k_rope_w).sum()) if cov is None else float(torch.einsum("ri,ij,rj->", k_rope_w, cov, k_rope_w))
+    report = {
+        "kv_lora_rank": plan.kv_lora_rank,
+        "latent_rank": r,
+        "rope_pairs": list(plan.rope_pairs),
+        "rope_key_energy_fraction": rope_energy / key_energy if key_energy > 0 else 0.0,
+        "k_rel_error": factors.key_relative_error,
+        "v_rel_error": factors.value_relative_error,
+    }
+    out = {name: tensor.to(plan.dtype).contiguous() for name, tensor in tensors.items()}
+    return ConvertedAttention(tensors=out, report=report, dropped_biases=dropped)

@@ -1,0 +1,85 @@
+"""Conversion options: one pydantic model shared by the Python API, the CLI and recipe files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mha2mla import UserError
+
+
+class ConvertOptions(BaseModel):
+    """Everything that decides a conversion. Unknown keys are rejected (typos in recipes fail loudly)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    profile: Literal["portable", "exact"] = "portable"
+    kv_budget: float | None = Field(None, description="fraction of the source's KV values per token per layer")
+    kv_lora_rank: int | None = Field(None, description="the config's kv_lora_rank (exact profile: constant channel included)")
+    rope_dim: int | None = Field(None, description="qk_rope_head_dim, the shared rope key's size")
+    rope_frequencies: Literal["high", "stride"] = "high"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    balance_kv: bool = True
+    # calibration-aware initialisation (statistics of the attention inputs)
+    calib: str | None = None
+    calib_samples: int = 64
+    calib_seq_len: int = 256
+    max_shard_size: int = 2 * 1024**3
+    untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (default: yes for portable)")
+
+    @field_validator("kv_budget")
+    @classmethod
+    def _budget_range(cls, value):
+        if value is not None and not 0 < value <= 1:
+            raise ValueError("must be a fraction in (0, 1]")
+        return value
+
+    @field_validator("kv_lora_rank", "rope_dim", "calib_samples", "calib_seq_len")
+    @classmethod
+    def _positive(cls, value):
+        if value is not None and value <= 0:
+            raise ValueError("must be positive")
+        return value
+
+
+class Recipe(BaseModel):
+    """A recipe file: the exact command in a comment at the top, then these keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str | None = None
+    convert: ConvertOptions = ConvertOptions()
+    recover: dict | None = None
+    eval: dict | None = None
+
+
+def _explain(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}"
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"recipe {path} does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        return Recipe.model_validate(data)
+    except yaml.YAMLError as error:
+        raise UserError(f"recipe {path} is not valid YAML ({error}).") from error
+    except ValidationError as error:
+        raise UserError(f"recipe {path} is invalid ({_explain(error)}); fix or remove that key.") from error
+
+
+def build_options(recipe: Recipe | None = None, **overrides) -> ConvertOptions:
+    """Recipe values, then every override that is not None."""
+    data = recipe.convert.model_dump(exclude_unset=True) if recipe else {}
+    data.update({key: value for key, value in overrides.items() if value is not None})
+    try:
+        return ConvertOptions.model_validate(data)
+    except ValidationError as error:
+        raise UserError(f"invalid option ({_explain(error)}).") from error

@@ -1,0 +1,277 @@
+"""``convert(source, out, options)``: the whole conversion, one layer at a time.
+
+Reads the source lazily, converts each attention layer (attention.py), copies embeddings, norms and
+MLPs as they are, and writes a native DeepSeek-V3 checkpoint into a temporary folder that is renamed
+to OUT only when everything (config, tokenizer, absorbed weights, report, card, checks) is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from mha2mla import UserError, __version__
+from mha2mla.convert.attention import AttentionPlan, LayerStatistics, SourceAttention, convert_attention
+from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.plan import ConversionPlan, make_plan
+from mha2mla.convert.portable import portable_violations
+from mha2mla.families import Family, family_for_config
+from mha2mla.io.reader import LazyCheckpoint
+from mha2mla.io.source import open_source
+from mha2mla.io.writer import ShardedWriter
+from mha2mla.modeling.absorbed import write_absorbed
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+REPORT_FILE = "conversion_report.json"
+
+# statistics provider: (layer index) -> LayerStatistics, or None for weight-only
+StatisticsProvider = Callable[[int], LayerStatistics]
+
+
+@dataclass
+class ConversionResult:
+    out: Path | None
+    plan: ConversionPlan
+    report: dict
+
+
+def deepseek_config(plan: ConversionPlan, source_config: dict) -> dict:
+    """The output config.json as a dict (validated by transformers' DeepseekV3Config)."""
+    from transformers import DeepseekV3Config
+
+    s = plan.shape
+    rope = {"rope_type": "default", "rope_theta": plan.target_rope_theta}
+    source_rope = source_config.get("rope_parameters") or {}
+    if plan.profile == "exact" and source_rope.get("rope_type", "default") != "default":
+        # scaling that depends only on frequency (llama3, linear, ...) maps onto the kept pairs exactly
+        rope = {**source_rope, "rope_theta": plan.target_rope_theta}
+    tie = bool(source_config.get("tie_word_embeddings", False)) and not plan.untie_embeddings
+    config = DeepseekV3Config(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        moe_intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_heads,
+        n_shared_experts=1,
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=s.num_layers,
+        num_nextn_predict_layers=0,
+        kv_lora_rank=plan.kv_lora_rank,
+        q_lora_rank=(s.hidden_size + 1) if plan.use_q_lora else None,
+        qk_rope_head_dim=plan.rope_dim,
+        qk_nope_head_dim=s.head_dim,
+        v_head_dim=s.head_dim,
+        hidden_act=source_config.get("hidden_act", "silu"),
+        max_position_embeddings=source_config.get("max_position_embeddings", 4096),
+        rms_norm_eps=source_config.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=tie,
+        rope_parameters=rope,
+        rope_interleave=True,
+        attention_bias=plan.profile == "exact",
+        bos_token_id=source_config.get("bos_token_id"),
+        eos_token_id=source_config.get("eos_token_id"),
+        pad_token_id=source_config.get("pad_token_id"),
+    )
+    data = config.to_dict()
+    data["architectures"] = ["DeepseekV3ForCausalLM"]
+    data["dtype"] = plan.dtype
+    data["rope_theta"] = plan.target_rope_theta  # engines that read the pre-v5 key
+    data["mha2mla"] = {"version": __version__, "profile": plan.profile, "source_family": plan.family}
+    return data
+
+
+def _read_attention(ckpt: LazyCheckpoint, family: Family, layer: int, plan: ConversionPlan) -> SourceAttention:
+    def weight(key):
+        return ckpt.get(family.weight(key, layer) + ".weight")
+
+    def bias(key, projection):
+        name = family.weight(key, layer) + ".bias"
+        return ckpt.get(name) if plan.biases.get(projection) and ckpt.has(name) else None
+
+    return SourceAttention(
+        q_weight=weight("q_proj"), k_weight=weight("k_proj"), v_weight=weight("v_proj"), o_weight=weight("o_proj"),
+        input_norm_weight=ckpt.get(family.weight("input_layernorm", layer)),
+        q_bias=bias("q_proj", "q"), k_bias=bias("k_proj", "k"), v_bias=bias("v_proj", "v"), o_bias=bias("o_proj", "o"),
+    )
+
+
+def _check_shapes(source: SourceAttention, plan: ConversionPlan, layer: int) -> None:
+    s = plan.shape
+    expected = {
+        "q_proj": (source.q_weight, (s.num_heads * s.head_dim, s.hidden_size)),
+        "k_proj": (source.k_weight, (s.num_kv_heads * s.head_dim, s.hidden_size)),
+        "v_proj": (source.v_weight, (s.num_kv_heads * s.head_dim, s.hidden_size)),
+        "o_proj": (source.o_weight, (s.hidden_size, s.num_heads * s.head_dim)),
+    }
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise UserError(f"layer {layer} {name} has shape {tuple(tensor.shape)}, but the config implies {shape}; the checkpoint and config.json disagree.")
+
+
+def _command_line() -> str:
+    argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _progress(iterable, total: int, enabled: bool, description: str):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=description, unit="layer")
+
+
+def prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise UserError(f"{out} already exists and is not empty; choose another OUT or pass --force to replace it.")
+
+
+def convert(
+    source: str | Path,
+    out: str | Path | None,
+    options: ConvertOptions | None = None,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    progress: bool = True,
+    statistics: StatisticsProvider | None = None,
+    command: str | None = None,
+) -> ConversionResult:
+    """Convert ``source`` (folder, .gguf or hub id) into a DeepSeek-V3 MLA checkpoint at ``out``."""
+    options = options or ConvertOptions()
+    started = time.time()
+    out = Path(out) if out is not None else None
+    if out is not None and not dry_run:
+        prepare_out(out, force)
+    ckpt = open_source(source)
+    family = family_for_config(ckpt.config)
+    plan = make_plan(ckpt.config, family, options)
+    if dry_run or out is None:
+        return ConversionResult(out=None, plan=plan, report={"plan": plan.to_dict()})
+
+    if statistics is None and options.calib is not None:
+        from mha2mla.convert.calibration import calibration_statistics  # activation-aware init
+
+        statistics = calibration_statistics(ckpt, family, plan, options)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        report = _write_checkpoint(ckpt, family, plan, options, tmp, statistics, progress)
+        report.update(
+            source=str(source), command=command or _command_line(), mha2mla_version=__version__,
+            options=options.model_dump(), elapsed_seconds=round(time.time() - started, 2),
+        )
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        from mha2mla.io.card import write_model_card
+
+        write_model_card(tmp, report)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ConversionResult(out=out, plan=plan, report=report)
+
+
+def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, progress) -> dict:
+    dtype = plan.torch_dtype
+    writer = ShardedWriter(folder, max_shard_bytes=options.max_shard_size)
+    embed = ckpt.get(family.weight("embed_tokens"))
+    writer.add("model.embed_tokens.weight", embed.to(dtype))
+    attention_plan = AttentionPlan(
+        num_heads=plan.shape.num_heads, num_kv_heads=plan.shape.num_kv_heads, head_dim=plan.shape.head_dim,
+        rope_pairs=plan.rope_pairs, latent_rank=plan.latent_rank, profile=plan.profile, dtype=dtype,
+        balance=options.balance_kv, use_q_lora=plan.use_q_lora,
+    )
+    kv_b_weights = {}
+    layers, dropped = [], set()
+    for layer in _progress(range(plan.shape.num_layers), plan.shape.num_layers, progress, "converting"):
+        source = _read_attention(ckpt, family, layer, plan)
+        _check_shapes(source, plan, layer)
+        stats = statistics(layer) if statistics is not None else None
+        converted = convert_attention(source, attention_plan, stats)
+        prefix = f"model.layers.{layer}"
+        for name, tensor in converted.tensors.items():
+            writer.add(f"{prefix}.self_attn.{name}", tensor)
+        kv_b_weights[f"{prefix}.self_attn.kv_b_proj.weight"] = converted.tensors["kv_b_proj.weight"]
+        writer.add(f"{prefix}.input_layernorm.weight", source.input_norm_weight.to(dtype))
+        writer.add(f"{prefix}.post_attention_layernorm.weight", ckpt.get(family.weight("post_attention_layernorm", layer)).to(dtype))
+        for key in ("gate_proj", "up_proj", "down_proj"):
+            writer.add(f"{prefix}.mlp.{key}.weight", ckpt.get(family.weight(key, layer)).to(dtype))
+        layers.append({"layer": layer, **converted.report})
+        dropped.update(converted.dropped_biases)
+    writer.add("model.norm.weight", ckpt.get(family.weight("final_norm")).to(dtype))
+    tied = bool(ckpt.config.get("tie_word_embeddings", False))
+    if not tied:
+        writer.add("lm_head.weight", ckpt.get(family.weight("lm_head")).to(dtype))
+    elif plan.untie_embeddings:
+        writer.add("lm_head.weight", embed.to(dtype).clone())
+    writer.finish()
+
+    config = deepseek_config(plan, ckpt.config)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_generation_config(ckpt.folder, folder, ckpt.config)
+    for name in TOKENIZER_FILES:
+        if (ckpt.folder / name).exists():
+            shutil.copy2(ckpt.folder / name, folder / name)
+
+    from transformers import DeepseekV3Config
+
+    write_absorbed(folder, kv_b_weights, DeepseekV3Config(**{k: v for k, v in config.items() if k != "mha2mla"}))
+
+    if dropped:
+        log.warning("portable profile: source biases %s cannot be carried exactly and were dropped "
+                    "(use --profile exact to keep them, or recover to heal).", sorted(dropped))
+    problems = portable_violations(config, list(_written_names(folder))) if plan.profile == "portable" else []
+    if problems:
+        raise RuntimeError(f"internal error: the portable output breaks a serving constraint: {problems[0]}")
+    return {
+        "family": plan.family,
+        "profile": plan.profile,
+        "plan": plan.to_dict(),
+        "kv_bytes_per_token": plan.kv_bytes_per_token(),
+        "initialisation": "activation-aware" if statistics is not None else "weight-only",
+        "dropped_biases": sorted(dropped),
+        "portable_check": "passed" if plan.profile == "portable" else "not applicable (exact profile)",
+        "layers": layers,
+    }
+
+
+def _written_names(folder: Path):
+    from safetensors import safe_open
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        if shard.name == "absorbed.safetensors":
+            continue
+        with safe_open(str(shard), framework="pt") as handle:
+            yield from handle.keys()
+
+
+def _write_generation_config(source_folder: Path, folder: Path, source_config: dict) -> None:
+    source = source_folder / "generation_config.json"
+    if source.exists():
+        shutil.copy2(source, folder / "generation_config.json")
+        return
+    data = {key: source_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if source_config.get(key) is not None}
+    (folder / "generation_config.json").write_text(json.dumps(data, indent=2) + "\n")
+

@@ -1,0 +1,203 @@
+"""Sizing a conversion: rope dims, latent rank, KV bytes per token and parameter counts."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from mha2mla import UserError
+from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.rope import kept_pairs, target_rope_theta, validate_rope_dim
+from mha2mla.families import Family
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SourceShape:
+    hidden_size: int  # D
+    num_heads: int  # H
+    num_kv_heads: int  # G
+    head_dim: int  # d
+    num_layers: int  # L
+    rope_theta: float
+    vocab_size: int
+    intermediate_size: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> "SourceShape":
+        num_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        rope = config.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1.0):
+            raise UserError("sources with partial rotary embeddings are not supported yet.")
+        return cls(
+            hidden_size=config["hidden_size"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            num_layers=config["num_hidden_layers"],
+            rope_theta=float(theta),
+            vocab_size=config["vocab_size"],
+            intermediate_size=config["intermediate_size"],
+        )
+
+    @property
+    def kv_values_per_token_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def max_latent_rank(self) -> int:
+        """The rank of [K_nope; V]: at most its rows and the hidden size."""
+        return min(self.hidden_size, self.kv_values_per_token_per_layer)
+
+
+def default_rope_dim(total_values: int, head_dim: int) -> int:
+    """About a quarter of the cache for the rope key, in steps of 8, at most the head dim."""
+    return max(2, min(head_dim, 8 * round(total_values / 32)))
+
+
+@dataclass
+class ConversionPlan:
+    family: str
+    profile: str
+    shape: SourceShape
+    rope_dim: int
+    rope_pairs: list[int]
+    rope_frequencies: str
+    target_rope_theta: float
+    latent_rank: int  # real latent channels
+    kv_lora_rank: int  # the config's value (exact profile: + the constant channel)
+    dtype: str
+    use_q_lora: bool
+    untie_embeddings: bool
+    biases: dict[str, bool] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def kv_bytes_per_token(self) -> dict[str, float]:
+        bytes_per_value = self.torch_dtype.itemsize
+        source = self.shape.kv_values_per_token_per_layer * self.shape.num_layers * bytes_per_value
+        target = (self.kv_lora_rank + self.rope_dim) * self.shape.num_layers * bytes_per_value
+        return {"source": source, "converted": target, "ratio": target / source}
+
+    def attention_parameters(self) -> dict[str, int]:
+        s = self.shape
+        D, H, G, d, r = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, self.kv_lora_rank
+        source = (H * d + 2 * G * d) * D + D * H * d
+        q_rows = H * (d + self.rope_dim)
+        q_params = (D + 1) * D + q_rows * (D + 1) if self.use_q_lora else q_rows * D
+        target = q_params + (r + self.rope_dim) * D + r + H * 2 * d * r + D * H * d
+        return {"source_per_layer": source, "converted_per_layer": target,
+                "source_total": source * s.num_layers, "converted_total": target * s.num_layers}
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["kv_bytes_per_token"] = self.kv_bytes_per_token()
+        data["attention_parameters"] = self.attention_parameters()
+        return data
+
+
+def _source_dtype(config: dict) -> str:
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return name if name in DTYPES else "float32"
+
+
+def make_plan(config: dict, family: Family, options: ConvertOptions) -> ConversionPlan:
+    shape = SourceShape.from_config(config)
+    if shape.num_heads % shape.num_kv_heads:
+        raise UserError(f"num_attention_heads {shape.num_heads} is not a multiple of num_key_value_heads {shape.num_kv_heads}.")
+    if shape.head_dim % 2:
+        raise UserError(f"head dim {shape.head_dim} is odd; RoPE needs an even head dim.")
+    exact = options.profile == "exact"
+    constant_channels = 1 if exact else 0
+    warnings: list[str] = []
+
+    source_values = shape.kv_values_per_token_per_layer
+    if options.kv_lora_rank is not None or options.rope_dim is not None:
+        if options.kv_lora_rank is None or options.rope_dim is None:
+            raise UserError("--kv-lora-rank and --rope-dim go together; give both, or use --kv-budget.")
+        kv_lora_rank, rope_dim = options.kv_lora_rank, options.rope_dim
+        validate_rope_dim(shape.head_dim, rope_dim, options.rope_frequencies)
+    else:
+        budget = options.kv_budget if options.kv_budget is not None else 0.25
+        total = round(budget * source_values)
+        rope_dim = default_rope_dim(total, shape.head_dim)
+        if options.rope_frequencies == "stride":
+            while shape.head_dim % rope_dim:
+                rope_dim -= 2
+        validate_rope_dim(shape.head_dim, rope_dim, options.rope_frequencies)
+        kv_lora_rank = total - rope_dim
+    latent_rank = kv_lora_rank - constant_channels
+    if latent_rank < 1:
+        raise UserError(
+            f"the KV budget ({kv_lora_rank + rope_dim} values per token per layer) leaves no latent channel beside "
+            f"{rope_dim} rope dims{' and the constant channel' if exact else ''}; raise --kv-budget or lower --rope-dim."
+        )
+    if latent_rank > shape.max_latent_rank:
+        message = f"latent rank {latent_rank} exceeds what a layer can use ({shape.max_latent_rank}); clamped."
+        warnings.append(message)
+        latent_rank = shape.max_latent_rank
+        kv_lora_rank = latent_rank + constant_channels
+
+    biases = {p: family.has_bias(p, config) for p in "qkvo"}
+    activation = config.get("hidden_act", "silu")
+    if not exact and activation != "silu":
+        raise UserError(f"the source MLP uses {activation}, but serving engines' DeepSeek MLP is silu only; use --profile exact.")
+    rope = config.get("rope_parameters") or {}
+    if not exact and rope.get("rope_type", "default") not in ("default", None):
+        warnings.append(
+            f"source rope scaling {rope.get('rope_type')!r} is not portable; the portable checkpoint carries plain rope "
+            "(exact for kept frequencies that the scaling leaves untouched)."
+        )
+    window = config.get(family.sliding_window_key) if family.sliding_window_key else None
+    if window and window < config.get("max_position_embeddings", 0):
+        warnings.append(f"source sliding window {window} is dropped: MLA attends to the whole context.")
+    for message in warnings:
+        log.warning(message)
+
+    dtype = _source_dtype(config) if options.dtype == "auto" else options.dtype
+    untie = options.untie_embeddings if options.untie_embeddings is not None else not exact
+    return ConversionPlan(
+        family=family.name,
+        profile=options.profile,
+        shape=shape,
+        rope_dim=rope_dim,
+        rope_pairs=kept_pairs(shape.head_dim, rope_dim, options.rope_frequencies),
+        rope_frequencies=options.rope_frequencies,
+        target_rope_theta=target_rope_theta(shape.rope_theta, shape.head_dim, rope_dim, options.rope_frequencies),
+        latent_rank=latent_rank,
+        kv_lora_rank=kv_lora_rank,
+        dtype=dtype,
+        use_q_lora=exact and biases["q"],
+        untie_embeddings=untie and bool(config.get("tie_word_embeddings", False)),
+        biases=biases,
+        warnings=warnings,
+    )
+
+
+def format_plan(plan: ConversionPlan) -> str:
+    """A human-readable plan for --dry-run and the CLI."""
+    s = plan.shape
+    kv = plan.kv_bytes_per_token()
+    params = plan.attention_parameters()
+    lines = [
+        f"family {plan.family}, profile {plan.profile}, dtype {plan.dtype}",
+        f"source: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV heads, head dim {s.head_dim}, rope theta {s.rope_theta:g}",
+        f"target: kv_lora_rank {plan.kv_lora_rank} (latent rank {plan.latent_rank}{' + constant channel' if plan.profile == 'exact' else ''}), "
+        f"rope dim {plan.rope_dim} ({plan.rope_frequencies} pairs {plan.rope_pairs[:4]}{'...' if len(plan.rope_pairs) > 4 else ''}), rope theta {plan.target_rope_theta:g}",
+        f"per layer: r={plan.kv_lora_rank}, d_r={plan.rope_dim} for all {s.num_layers} layers (global in the config)",
+        f"KV cache per token: {kv['source']:,.0f} B -> {kv['converted']:,.0f} B ({100 * kv['ratio']:.2f}% of the source)",
+        f"attention parameters: {params['source_total']:,} -> {params['converted_total']:,}",
+    ]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)

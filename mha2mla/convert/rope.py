@@ -1,0 +1,103 @@
+"""Step 1 of the conversion (DESIGN §3.1): split RoPE into one shared, decoupled rope key.
+
+Source layout (Hugging Face "half-split"): in a head of dimension d, rotation pair i is the dims
+(i, i + d/2), rotated at frequency base^(-2i/d). The target has d_r/2 pairs on ONE rope key shared
+by every query head.
+
+For each kept source pair i the G KV heads' 2-D key components are mixed by an orthogonal G×G
+matrix U (the same U on both components of the pair, so it commutes with the rotation). Mixed
+component 0 becomes the shared rope key at that frequency, and every query head h takes the
+coefficient U[0, group(h)]. What is left of each head's key at that pair (k_g - U[0,g] * k_rope)
+loses its rotation and is carried as NoPE content, as are the pairs that are not kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha2mla import UserError
+
+FREQUENCY_MODES = ("high", "stride")
+
+
+def validate_rope_dim(head_dim: int, rope_dim: int, mode: str) -> None:
+    if mode not in FREQUENCY_MODES:
+        raise UserError(f"--rope-frequencies must be one of {', '.join(FREQUENCY_MODES)}, not {mode!r}.")
+    if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
+        raise UserError(f"--rope-dim must be an even number between 2 and the head dim {head_dim}, not {rope_dim}.")
+    if mode == "stride" and head_dim % rope_dim:
+        raise UserError(f"--rope-frequencies stride needs --rope-dim to divide the head dim {head_dim}; {rope_dim} does not.")
+
+
+def kept_pairs(head_dim: int, rope_dim: int, mode: str = "high") -> list[int]:
+    """Source pair indices kept as rope, in target order (target pair j <- source pair kept[j])."""
+    validate_rope_dim(head_dim, rope_dim, mode)
+    num_pairs = rope_dim // 2
+    if mode == "high":
+        return list(range(num_pairs))
+    stride = head_dim // rope_dim
+    return [stride * j for j in range(num_pairs)]
+
+
+def target_rope_theta(base: float, head_dim: int, rope_dim: int, mode: str = "high") -> float:
+    """base' such that base'^(-2j/d_r) equals the source frequency of the kept pair j exactly."""
+    if mode == "high":
+        return float(base) ** (rope_dim / head_dim)
+    return float(base)
+
+
+def pair_rows(head_dim: int, pair: int) -> tuple[int, int]:
+    """Rows (within one head) of the two components of rotation pair ``pair`` in the half-split layout."""
+    return pair, pair + head_dim // 2
+
+
+def interleaved_order(pairs: list[int], head_dim: int) -> list[int]:
+    """Source rows of one head, ordered for the target's interleaved (GPT-J) rope layout:
+    target rows (2j, 2j+1) hold the two components of kept pair j."""
+    rows = []
+    for pair in pairs:
+        rows.extend(pair_rows(head_dim, pair))
+    return rows
+
+
+def second_moment(weight: torch.Tensor, bias: torch.Tensor | None, input_covariance: torch.Tensor | None,
+                  input_mean: torch.Tensor | None) -> torch.Tensor:
+    """E[y yᵀ] for y = W x + b, from E[x xᵀ] (identity when None: weight-only) and E[x]."""
+    moment = weight @ weight.T if input_covariance is None else weight @ input_covariance @ weight.T
+    if bias is not None:
+        if input_mean is not None:
+            cross = torch.outer(weight @ input_mean, bias)
+            moment = moment + cross + cross.T
+        moment = moment + torch.outer(bias, bias)
+    return moment
+
+
+def head_mixing(
+    k_weight: torch.Tensor,
+    k_bias: torch.Tensor | None,
+    pairs: list[int],
+    head_dim: int,
+    input_covariance: torch.Tensor | None = None,
+    input_mean: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Orthogonal mixing matrices U, one per kept pair: ``[P, G, G]``, rows sorted by energy.
+
+    U[p] holds the eigenvectors of the G×G second moment of the heads' key components at pair p
+    (summed over the pair's two components), so component 0 captures the most key energy.
+    """
+    num_groups = k_weight.shape[0] // head_dim
+    k_heads = k_weight.view(num_groups, head_dim, -1)  # (G, d, D)
+    b_heads = None if k_bias is None else k_bias.view(num_groups, head_dim)  # (G, d)
+    mixings = []
+    for pair in pairs:
+        moment = torch.zeros(num_groups, num_groups, dtype=k_weight.dtype)
+        for row in pair_rows(head_dim, pair):
+            w = k_heads[:, row, :]  # (G, D): this component of every KV head
+            b = None if b_heads is None else b_heads[:, row]
+            moment = moment + second_moment(w, b, input_covariance, input_mean)
+        eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # ascending
+        mixing = eigenvectors.flip(-1).T  # (G, G): row m = component m, most energetic first
+        if mixing[0].sum() < 0:  # a deterministic sign
+            mixing[0] = -mixing[0]
+        mixings.append(mixing)
+    return torch.stack(mixings) if mixings else torch.zeros(0, num_groups, num_groups, dtype=k_weight.dtype)

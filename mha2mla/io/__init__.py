@@ -1,0 +1,1 @@
+"""Reading source checkpoints lazily and writing sharded safetensors checkpoints."""
