@@ -1,0 +1,244 @@
+"""Training text: read documents, tokenize, pack them into fixed-length rows that respect document boundaries.
+
+A packed row holds several documents back to back (each followed by EOS). Positions restart at 0 at every
+document start (and at the start of every row, where a long document continues), so
+
+- rotary positions are those the document would have alone, and
+- with ``attention_mask=None`` and no cache, transformers derives a block-diagonal causal mask from the
+  position restarts (sdpa / eager / flash); a custom attention kernel can derive segment ids the same way
+  (a new segment wherever ``position_ids[t] != position_ids[t-1] + 1``).
+
+The first token of every segment is never a prediction target (it would be predicted from another document).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mha2mla import UserError
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+DATA_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+
+@dataclass
+class PackedSequences:
+    """``input_ids`` and ``position_ids``: (N, L) int64 rows of packed tokens."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    num_documents: int
+    dropped_tokens: int  # the tail that did not fill a last row
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[index], "position_ids": self.position_ids[index]}
+
+    def split(self, count: int) -> tuple[PackedSequences, PackedSequences]:
+        """The first ``count`` rows and the rest."""
+        head = PackedSequences(self.input_ids[:count], self.position_ids[:count], 0, 0)
+        tail = PackedSequences(self.input_ids[count:], self.position_ids[count:], self.num_documents, self.dropped_tokens)
+        return head, tail
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def is_local(source: str) -> bool:
+    return Path(source).exists() or Path(source).suffix.lower() in DATA_SUFFIXES or source.startswith((".", "/", "~"))
+
+
+def resolve_files(source: str) -> list[Path]:
+    """A data file, or every data file under a folder (sorted, recursive)."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"data {source} does not exist; give a .txt/.jsonl/.parquet file, a folder of them, or a dataset id.")
+    if path.is_file():
+        if path.suffix.lower() not in DATA_SUFFIXES:
+            raise UserError(f"{path} is not a .txt, .jsonl or .parquet file.")
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
+    if not files:
+        raise UserError(f"folder {path} holds no .txt, .jsonl or .parquet files.")
+    return files
+
+
+def _read_text(path: Path) -> str:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {error.start}); re-encode it as UTF-8.") from None
+    if not text.strip():
+        raise UserError(f"{path} is empty; remove it from --data or give it some text.")
+    return text
+
+
+def _documents_in_file(path: Path, text_field: str) -> Iterator[str]:
+    suffix = path.suffix.lower()
+    if suffix in TEXT_SUFFIXES:  # a text file is one document
+        yield _read_text(path)
+        return
+    if suffix in JSONL_SUFFIXES:
+        count = 0
+        for line_number, line in enumerate(_read_text(path).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{line_number} is not valid JSON; each line of a .jsonl file must be one object.") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise UserError(f"{path}:{line_number} has no string field {text_field!r}; pick the field with --text-field.")
+            if record[text_field].strip():
+                count += 1
+                yield record[text_field]
+        if count == 0:
+            raise UserError(f"{path} holds no non-empty {text_field!r} texts.")
+        return
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover - pyarrow is in the parquet extra
+        raise UserError("reading .parquet needs pyarrow; install mha2mla[parquet].") from None
+    try:
+        table = pq.read_table(path, columns=[text_field])
+    except Exception as error:  # noqa: BLE001 - pyarrow raises many kinds
+        raise UserError(f"cannot read column {text_field!r} from {path} ({str(error).splitlines()[0]}).") from None
+    texts = [t for t in table.column(text_field).to_pylist() if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise UserError(f"{path} holds no non-empty {text_field!r} texts.")
+    yield from texts
+
+
+def _documents_in_hub_dataset(dataset_id: str, text_field: str) -> Iterator[str]:
+    name, _, split = dataset_id.partition("@")
+    try:
+        from datasets import load_dataset
+
+        stream = load_dataset(name, split=split or "train", streaming=True)
+        first = True
+        for record in stream:
+            if first and text_field not in record:
+                raise UserError(f"dataset {name} has no field {text_field!r}; pick the field with --text-field.")
+            first = False
+            text = record[text_field]
+            if isinstance(text, str) and text.strip():
+                yield text
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - network, auth, missing dataset
+        raise UserError(
+            f"cannot stream dataset {dataset_id!r} ({str(error).splitlines()[0][:200]}); "
+            "check the id and network access, or pass local files."
+        ) from None
+
+
+def iter_documents(sources: Iterable[str], text_field: str = "text") -> Iterator[str]:
+    """Documents of every source in order: local files (whole .txt files, .jsonl lines, .parquet rows)
+    or a Hugging Face dataset id (``name`` or ``name@split``, streamed)."""
+    for source in sources:
+        if is_local(source):
+            for path in resolve_files(source):
+                yield from _documents_in_file(path, text_field)
+        else:
+            yield from _documents_in_hub_dataset(source, text_field)
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+
+def pack_token_lists(documents: Iterable[list[int]], seq_len: int, max_rows: int | None = None) -> PackedSequences:
+    """Concatenate tokenized documents and cut them into rows of ``seq_len`` (the last partial row is dropped).
+
+    Returns at most ``max_rows`` rows (stops consuming documents once they are filled)."""
+    ids: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    doc_index: list[torch.Tensor] = []
+    total = 0
+    num_documents = 0
+    for tokens in documents:
+        if not tokens:
+            continue
+        tokens_tensor = torch.tensor(tokens, dtype=torch.int64)
+        ids.append(tokens_tensor)
+        positions.append(torch.arange(len(tokens), dtype=torch.int64))
+        doc_index.append(torch.full((len(tokens),), num_documents, dtype=torch.int64))
+        num_documents += 1
+        total += len(tokens)
+        if max_rows is not None and total >= max_rows * seq_len:
+            break
+    rows = total // seq_len if max_rows is None else min(total // seq_len, max_rows)
+    if rows == 0:
+        return PackedSequences(torch.empty(0, seq_len, dtype=torch.int64), torch.empty(0, seq_len, dtype=torch.int64), num_documents, total)
+    used = rows * seq_len
+    input_ids = torch.cat(ids)[:used].view(rows, seq_len)  # (N, L)
+    position_ids = torch.cat(positions)[:used].view(rows, seq_len)  # (N, L)
+    documents_of = torch.cat(doc_index)[:used].view(rows, seq_len)  # (N, L)
+    # a document cut by a row boundary restarts its positions at the row start
+    continues = documents_of == documents_of[:, :1]
+    position_ids = torch.where(continues, position_ids - position_ids[:, :1], position_ids)
+    return PackedSequences(input_ids, position_ids, num_documents, total - used)
+
+
+def tokenize_documents(tokenizer, documents: Iterable[str]) -> Iterator[list[int]]:
+    """Token ids of each document followed by EOS (no BOS or other special tokens)."""
+    eos = tokenizer.eos_token_id
+    for text in documents:
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if eos is not None:
+            ids = ids + [eos]
+        yield ids
+
+
+def build_packed(tokenizer, sources: list[str], seq_len: int, text_field: str = "text", max_rows: int | None = None,
+                 what: str = "training data") -> PackedSequences:
+    """Read, tokenize and pack ``sources``; a corpus that cannot fill one row is a user error."""
+    packed = pack_token_lists(tokenize_documents(tokenizer, iter_documents(sources, text_field)), seq_len, max_rows)
+    if len(packed) == 0:
+        raise UserError(
+            f"the {what} ({', '.join(sources)}) has {packed.dropped_tokens} tokens, fewer than one packed sequence "
+            f"of {seq_len}; give more text or a smaller --seq-len."
+        )
+    log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)
+    return packed
+
+
+def target_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L-1) bool: which next-token targets ``input_ids[:, 1:]`` are trained on (not a segment start)."""
+    return position_ids[:, 1:] != 0
+
+
+class RowOrder:
+    """The deterministic order in which training rows are visited: a fresh seeded permutation every epoch.
+
+    ``rows(start, count)`` gives the row indices of global positions ``start .. start+count-1``; the run's
+    data position is one integer (rows consumed), so a resumed run reads exactly the rows it would have."""
+
+    def __init__(self, num_rows: int, seed: int):
+        self.num_rows = num_rows
+        self.seed = seed
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._cache:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._cache = {epoch: torch.randperm(self.num_rows, generator=generator)}
+        return self._cache[epoch]
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        out = []
+        for position in range(start, start + count):
+            epoch, offset = divmod(position, self.num_rows)
+            out.append(self._permutation(epoch)[offset])
+        return torch.stack(out)

@@ -1,0 +1,104 @@
+"""Merge the trained weights back and write the native DeepSeek-V3 checkpoint of the recovered model.
+
+Everything is written into a hidden sibling folder first; the run folder's checkpoints and logs are moved
+into it and it is renamed to OUT at the very end, so an error never leaves a half-written model in OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from mha2mla.modeling.absorbed import write_absorbed
+
+CONVERSION_REPORT = "conversion_report.json"
+RECOVERY_REPORT = "recovery_report.json"
+RECOVER_CONFIG = "recover_config.json"
+
+
+def merged_model(model):
+    """A plain transformers model: the peft adapter merged into the base weights (``merge_and_unload``),
+    trainable norm copies included; a model trained in full is returned as is."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        return model.merge_and_unload()
+    return model
+
+
+def stored_dtype(model_folder: Path) -> torch.dtype:
+    config = json.loads((Path(model_folder) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
+
+
+def model_card(source_folder: Path, settings: dict, report: dict) -> str:
+    """The input's model card (if any) with a section on this recovery run appended."""
+    source_card = Path(source_folder) / "README.md"
+    card = source_card.read_text(encoding="utf-8").rstrip() + "\n\n" if source_card.is_file() else (
+        "---\nlibrary_name: transformers\ntags: [mha2mla, mla, deepseek_v3]\n---\n\n"
+        "# MLA model recovered with mha2mla\n\n"
+    )
+    evaluations = report.get("evaluations") or []
+    lines = [
+        "## Recovery fine-tuning (`mha2mla recover`)",
+        "",
+        f"Recovered from `{settings['model']}` on {report['tokens_trained']:,} training tokens "
+        f"({report['steps']} optimizer steps, {report['seconds']:.0f} s, {report['tokens_per_second']:.0f} tokens/s).",
+        "",
+        "| held-out perplexity | value |",
+        "|---|---|",
+    ]
+    if evaluations:
+        lines.append(f"| before recovery (step {evaluations[0]['step']}) | {evaluations[0]['perplexity']:.3f} |")
+        lines.append(f"| after recovery (step {evaluations[-1]['step']}) | {evaluations[-1]['perplexity']:.3f} |")
+    lines += ["", "Settings:", "", "```json", json.dumps(settings, indent=2), "```", ""]
+    return card + "\n".join(lines)
+
+
+def write_recovered(
+    model,
+    tokenizer,
+    source_folder: str | Path,
+    out: str | Path,
+    settings: dict,
+    report: dict,
+) -> Path:
+    """Merge, write safetensors + config + tokenizer + absorbed weights + reports + card, then move into ``out``
+    (keeping whatever the run already put there: checkpoints, logs)."""
+    source_folder, out = Path(source_folder), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.writing-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    moved: list[str] = []
+    try:
+        plain = merged_model(model)
+        plain = plain.to(stored_dtype(source_folder))
+        plain.config.use_cache = True  # inference default in the written config
+        plain.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        write_absorbed(staging, plain.state_dict(), plain.config)
+        if (source_folder / CONVERSION_REPORT).is_file():
+            shutil.copy2(source_folder / CONVERSION_REPORT, staging / CONVERSION_REPORT)
+        (staging / RECOVERY_REPORT).write_text(json.dumps({"settings": settings, **report}, indent=2) + "\n")
+        (staging / "README.md").write_text(model_card(source_folder, settings, report), encoding="utf-8")
+        if out.exists():  # the run folder: checkpoints, recover_config.json, train_log.jsonl
+            for child in out.iterdir():
+                if not (staging / child.name).exists():
+                    os.replace(child, staging / child.name)
+                    moved.append(child.name)
+            out.rmdir()
+        os.replace(staging, out)
+    except BaseException:
+        if moved:  # give the run folder its checkpoints back before dropping the staging folder
+            out.mkdir(exist_ok=True)
+            for name in moved:
+                if (staging / name).exists():
+                    os.replace(staging / name, out / name)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,35 @@
+"""Next-token loss and logit distillation on packed rows (segment starts are never targets)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy. logits (B, L, V); input_ids (B, L); mask (B, L-1) bool."""
+    shifted = logits[:, :-1].float()  # (B, L-1, V)
+    targets = input_ids[:, 1:]  # (B, L-1)
+    losses = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), reduction="none")
+    weights = mask.reshape(-1).to(losses.dtype)
+    return (losses * weights).sum() / weights.sum().clamp(min=1)
+
+
+def nll_sum(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood and the number of targets (for perplexity)."""
+    shifted = logits[:, :-1].float()
+    losses = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
+    weights = mask.reshape(-1).to(losses.dtype)
+    return float((losses * weights).sum()), int(weights.sum())
+
+
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """KL(teacher || student) on temperature-softened next-token distributions, times T^2 (so its gradient
+    scale does not shrink with T), averaged over the target positions. Logits (B, L, V); mask (B, L-1)."""
+    student = F.log_softmax(student_logits[:, :-1].float() / temperature, dim=-1)  # (B, L-1, V)
+    teacher = F.log_softmax(teacher_logits[:, :-1].float() / temperature, dim=-1)  # (B, L-1, V)
+    per_token = (teacher.exp() * (teacher - student)).sum(-1)  # (B, L-1)
+    weights = mask.to(per_token.dtype)
+    return (per_token * weights).sum() / weights.sum().clamp(min=1) * temperature**2

@@ -1,0 +1,173 @@
+"""Loading the student (a converted MLA model) and the teacher (its source), and choosing what trains."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mha2mla import UserError
+from mha2mla.train.config import RecoverConfig
+
+log = logging.getLogger(__name__)
+
+TRITON_ATTENTION = "mha2mla_triton"
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """``sdpa`` / ``eager`` as they are; ``mha2mla_triton`` once the kernels package registers it with
+    transformers' ``AttentionInterface`` (importing ``mha2mla.kernels`` is expected to do so)."""
+    if name != TRITON_ATTENTION:
+        return name
+    from transformers import AttentionInterface
+
+    try:
+        importlib.import_module("mha2mla.kernels")
+    except ImportError:
+        pass
+    if name not in AttentionInterface._global_mapping:
+        raise UserError(
+            f"attention implementation {name!r} is not available (the Triton MLA kernel is not registered); "
+            "use --attn-implementation sdpa."
+        )
+    return name
+
+
+def read_model_config(folder: str | Path) -> dict:
+    path = Path(folder).expanduser()
+    if not (path / "config.json").is_file():
+        raise UserError(f"{folder} is not a model folder (no config.json); give the output folder of `mha2mla convert`.")
+    try:
+        return json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{path / 'config.json'} is not valid JSON.") from None
+
+
+def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
+    """The converted DeepSeek-V3 MLA model, in ``dtype`` (fp32 master weights for training)."""
+    from transformers import AutoModelForCausalLM
+
+    config = read_model_config(folder)
+    if config.get("model_type") != "deepseek_v3":
+        raise UserError(
+            f"{folder} is a {config.get('model_type')!r} model, not a converted DeepSeek-V3 MLA model; "
+            "run `mha2mla convert` first."
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, attn_implementation=resolve_attn_implementation(attn_implementation)
+    )
+    model.config.use_cache = False
+    return model
+
+
+def load_tokenizer(folder: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load a tokenizer from {folder} ({str(error).splitlines()[0][:160]}).") from None
+
+
+def check_teacher_path(source: str) -> Path:
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"teacher {source} does not exist; give the source model folder or its .gguf file.")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise UserError(f"teacher {source} is a file but not a .gguf; give a model folder or a .gguf file.")
+    if path.is_dir():
+        read_model_config(path)
+    return path
+
+
+def load_teacher(source: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
+    """The frozen source model: a Hugging Face folder or a ``.gguf`` file (dequantized on load)."""
+    from transformers import AutoModelForCausalLM
+
+    path = check_teacher_path(source)
+    impl = "sdpa" if attn_implementation == TRITON_ATTENTION else attn_implementation  # the source is MHA/GQA
+    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=impl)
+        # a dequantized GGUF model is a plain float model (DESIGN §6)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=impl)
+    model.config.use_cache = False
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def check_teacher_matches(student, teacher) -> None:
+    student_vocab = student.get_output_embeddings().weight.shape[0]
+    teacher_vocab = teacher.get_output_embeddings().weight.shape[0]
+    if student_vocab != teacher_vocab:
+        raise UserError(
+            f"the teacher's vocabulary ({teacher_vocab}) differs from the model's ({student_vocab}); "
+            "distil from the model it was converted from."
+        )
+
+
+def _module_names(model: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+
+
+def make_trainable(model: nn.Module, config: RecoverConfig, norms: tuple[str, ...] | None = None) -> nn.Module:
+    """Wrap ``model`` in a peft LoRA model (targets + trainable norms), or with ``full_attention`` unfreeze every
+    parameter under ``self_attn`` and nothing else. Returns the model to train."""
+    from mha2mla.train.config import TRAINABLE_NORMS
+
+    norms = TRAINABLE_NORMS if norms is None else norms
+    present = _module_names(model)
+    if config.full_attention:
+        model.requires_grad_(False)
+        count = 0
+        for name, param in model.named_parameters():
+            if ".self_attn." in name:
+                param.requires_grad_(True)
+                count += 1
+        if count == 0:
+            raise UserError("the model has no self_attn parameters to train.")
+        return model
+
+    from peft import LoraConfig, get_peft_model
+
+    missing = [target for target in config.lora_targets if target not in present]
+    if missing:
+        raise UserError(f"LoRA target(s) {', '.join(missing)} are not modules of this model; check --lora-targets.")
+    lora = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=list(config.lora_targets),
+        modules_to_save=[n for n in norms if n in present] if config.train_norms else None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter by name (what a checkpoint must restore)."""
+    return {name: param.detach().cpu().clone() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    params = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    if set(params) != set(state):
+        extra, missing = sorted(set(state) - set(params))[:3], sorted(set(params) - set(state))[:3]
+        raise UserError(f"the checkpoint's trainable weights do not match this run (extra {extra}, missing {missing}).")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state[name])
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())

@@ -1,0 +1,267 @@
+"""`mha2mla recover` on tiny random DeepSeek-V3 models: packing, LoRA/full training, distillation,
+merge-and-write, exact resume after SIGKILL, and one-sentence errors for bad data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mha2mla.train import RecoverConfig, recover
+from mha2mla.train.data import RowOrder, pack_token_lists, target_mask
+from mha2mla.train.export import write_recovered
+from mha2mla.train.losses import distillation_loss
+from mha2mla.train.model import load_student, load_tokenizer, make_trainable
+
+from common import SAMPLE_TEXT, build_source, tiny_deepseek_config, tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A converted-looking tiny DeepSeek-V3 MLA folder (random weights, tiny tokenizer, conversion report)."""
+    folder = tmp_path_factory.mktemp("tiny_mla")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_deepseek_config())
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (folder / "conversion_report.json").write_text(json.dumps({"kv_lora_rank": 24}) + "\n")
+    (folder / "README.md").write_text("# tiny converted model\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A folder of two text documents and one .jsonl file of short documents."""
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "a.txt").write_text(SAMPLE_TEXT * 3)
+    (folder / "b.txt").write_text(SAMPLE_TEXT.upper() * 3)
+    lines = [json.dumps({"text": sentence.strip() + "."}) for sentence in SAMPLE_TEXT.split(".") if sentence.strip()]
+    (folder / "c.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _config(model: Path, data: Path, out: Path, **overrides) -> RecoverConfig:
+    settings = dict(
+        model=str(model), data=[str(data)], out=str(out), seq_len=32, batch_size=4, max_steps=30, learning_rate=1e-2,
+        lora_rank=8, eval_sequences=4, eval_every=10, save_every=0,
+    )
+    settings.update(overrides)
+    return RecoverConfig(**settings)
+
+
+# ------------------------------------------------------------------------------------------- packing
+
+
+def test_packing_restarts_positions_per_document():
+    packed = pack_token_lists([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11], [12]], seq_len=4)
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    # doc 2 starts at position 0; a document cut by a row boundary restarts at the row start
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 2, 0]]
+    assert packed.dropped_tokens == 0
+    assert target_mask(packed.position_ids).tolist() == [[True, True, False], [False, True, True], [True, True, False]]
+
+
+def test_row_order_is_a_seeded_permutation_per_epoch():
+    order = RowOrder(5, seed=3)
+    first, second = order.rows(0, 5), order.rows(5, 5)
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(5))
+    assert torch.equal(RowOrder(5, seed=3).rows(3, 4), torch.cat([first[3:], second[:2]]))
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_documents_do_not_attend_to_each_other(tiny_model, attn_implementation):
+    model = load_student(tiny_model, attn_implementation).eval()
+    torch.manual_seed(1)
+    doc_a, doc_b = torch.randint(0, 256, (1, 7)), torch.randint(0, 256, (1, 9))
+    packed = pack_token_lists([doc_a[0].tolist(), doc_b[0].tolist()], seq_len=16)
+    with torch.no_grad():
+        together = model(**packed.rows(slice(None)), use_cache=False).logits  # (1, 16, V)
+        alone_a = model(input_ids=doc_a, use_cache=False).logits
+        alone_b = model(input_ids=doc_b, use_cache=False).logits
+    torch.testing.assert_close(together[:, :7], alone_a, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(together[:, 7:], alone_b, atol=1e-5, rtol=1e-4)
+
+
+def test_distillation_loss_is_zero_only_for_matching_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    assert distillation_loss(logits, logits, mask, temperature=2.0).abs() < 1e-6
+    assert distillation_loss(logits, torch.randn(2, 5, 11), mask, temperature=2.0) > 0.01
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_model, corpus, tmp_path):
+    out = tmp_path / "recovered"
+    report = recover(_config(tiny_model, corpus, out, save_every=10), show_progress=False)
+    first, last = report["evaluations"][0], report["evaluations"][-1]
+    assert (first["step"], last["step"]) == (0, 30)
+    assert last["perplexity"] < 0.9 * first["perplexity"]
+    assert sum(report["losses"][-5:]) < sum(report["losses"][:5])
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["q_lora_rank"] is None
+    for name in ("model.safetensors", "absorbed.safetensors", "absorbed.json", "tokenizer.json",
+                 "conversion_report.json", "recovery_report.json", "step-000020"):
+        assert (out / name).exists(), name
+    assert "## Recovery fine-tuning" in (out / "README.md").read_text()
+    assert not list(tmp_path.glob(".recovered.writing-*"))
+    loaded = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no remote code
+    assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
+    assert not any("lora" in name for name in loaded.state_dict())
+    from safetensors.torch import load_file
+
+    absorbed = load_file(str(out / "absorbed.safetensors"))
+    kv_b = loaded.model.layers[1].self_attn.kv_b_proj.weight.detach()
+    torch.testing.assert_close(absorbed["layers.1.w_uk"], kv_b.view(4, 32, 24)[:, :16])
+
+
+def test_merged_output_has_the_peft_models_logits(tiny_model, tmp_path):
+    config = _config(tiny_model, tiny_model, tmp_path / "out", lora_rank=4)
+    model = make_trainable(load_student(tiny_model), config)
+    torch.manual_seed(5)
+    with torch.no_grad():  # a trained-looking adapter: non-zero B matrices and moved norms
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.add_(0.2 * torch.randn_like(param))
+    assert any("kv_a_layernorm" in n for n, p in model.named_parameters() if p.requires_grad)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        before_merge = model(input_ids=ids).logits
+    report = {"tokens_trained": 0, "steps": 0, "seconds": 0.0, "tokens_per_second": 0.0, "evaluations": []}
+    write_recovered(model, load_tokenizer(tiny_model), tiny_model, tmp_path / "out", config.model_dump(mode="json"), report)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        after = loaded(input_ids=ids).logits
+    assert not torch.allclose(before_merge, AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=ids).logits, atol=1e-3)
+    torch.testing.assert_close(after, before_merge, atol=2e-5, rtol=1e-4)
+
+
+def test_full_attention_trains_every_attention_parameter_only(tiny_model, tmp_path):
+    model = make_trainable(load_student(tiny_model), _config(tiny_model, tiny_model, tmp_path, full_attention=True))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {name for name, _ in model.named_parameters() if ".self_attn." in name}
+    assert any("kv_a_layernorm" in name for name in trainable)
+
+
+def test_distillation_from_a_source_teacher(tiny_model, corpus, tmp_path):
+    teacher = build_source(tmp_path / "source", vocab_size=384)
+    out = tmp_path / "distilled"
+    report = recover(
+        _config(tiny_model, corpus, out, teacher=str(teacher), max_steps=6, eval_every=0, distill_weight=0.7, temperature=2.0),
+        show_progress=False,
+    )
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    steps = [record for record in log if "loss" in record]
+    assert len(steps) == 6 and all(record["distill_loss"] > 0 for record in steps)
+    mixed = 0.3 * steps[0]["lm_loss"] + 0.7 * steps[0]["distill_loss"]
+    assert steps[0]["loss"] == pytest.approx(mixed, rel=1e-5)
+    assert report["steps"] == 6 and (out / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------- resume
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mha2mla.cli.main", "recover", *args]
+
+
+def test_sigkill_then_resume_auto_ends_at_the_same_loss(tiny_model, corpus, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    common = ["--data", str(corpus), "--max-steps", "300", "--seq-len", "32", "--batch-size", "2", "--lr", "5e-3",
+              "--lora-rank", "4", "--save-every", "10", "--eval-every", "0", "--eval-sequences", "2", "--no-progress",
+              "--warmup-steps", "5"]
+    reference = tmp_path / "reference"
+    subprocess.run(_cli(str(tiny_model), "--out", str(reference), *common), env=env, check=True, capture_output=True)
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(_cli(str(tiny_model), "--out", str(killed), *common), env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (killed / "step-000020").exists() and process.poll() is None:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "config.json").exists()
+
+    resumed = subprocess.run(_cli(str(tiny_model), "--out", str(killed), *common, "--resume", "auto"),
+                             env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    expected = json.loads((reference / "recovery_report.json").read_text())
+    got = json.loads((killed / "recovery_report.json").read_text())
+    assert got["resumed_from"] is not None and int(Path(got["resumed_from"]).name[5:]) >= 20
+    assert got["steps"] == expected["steps"] == 300
+    assert got["final_loss"] == pytest.approx(expected["final_loss"], rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-6, atol=1e-7)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(reference / "model.safetensors")), load_file(str(killed / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)
+
+
+def test_resume_with_different_settings_is_refused(tiny_model, corpus, tmp_path):
+    out = tmp_path / "run"
+    recover(_config(tiny_model, corpus, out, max_steps=4, save_every=2, eval_every=0), show_progress=False)
+    (out / "config.json").unlink()  # pretend the run stopped before writing the model
+    from mha2mla import UserError
+
+    with pytest.raises(UserError, match="lora_rank"):
+        recover(_config(tiny_model, corpus, out, max_steps=4, save_every=2, eval_every=0, lora_rank=2), resume="auto")
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def _run_main(monkeypatch, capsys, args: list[str]) -> tuple[int, str]:
+    from mha2mla.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["mha2mla", "recover", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("empty", "is empty"),
+        ("not_utf8", "is not UTF-8"),
+        ("too_short", "fewer than one packed sequence"),
+        ("missing_teacher", "teacher"),
+        ("missing_data", "does not exist"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_leaves_no_output(tiny_model, corpus, tmp_path, monkeypatch, capsys, case, expected):
+    data, extra = tmp_path / "data.txt", []
+    if case == "empty":
+        data.write_text("  \n")
+    elif case == "not_utf8":
+        data.write_bytes(b"plain start \xff\xfe then latin-1 \xe9t\xe9\n" * 50)
+    elif case == "too_short":
+        data.write_text("only a few words here.\n")
+    elif case == "missing_teacher":
+        data = corpus
+        extra = ["--teacher", str(tmp_path / "no-such-source.gguf")]
+    else:
+        data = tmp_path / "nowhere.txt"
+    out = tmp_path / "out"
+    code, err = _run_main(monkeypatch, capsys, [str(tiny_model), "--data", str(data), "--out", str(out),
+                                                "--max-steps", "2", "--seq-len", "64", "--no-progress", *extra])
+    assert code == 2
+    message = err.strip().splitlines()
+    assert len(message) == 1 and message[0].startswith("error:") and expected in message[0], err
+    assert "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".out.writing-*"))
