@@ -1,0 +1,398 @@
+"""MLA kernels against their PyTorch references (DESIGN §5).
+
+On CPU the Triton kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a GPU
+the same tests run natively. Shapes stay tiny (<= 4 heads, <= 128 tokens) except in `gpu` tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mha2mla.kernels import (
+    ATTENTION_NAME,
+    choose_backend,
+    flash_mla_attention,
+    flash_mla_reference,
+    mla_decode,
+    mla_decode_reference,
+    mla_decode_unabsorbed_reference,
+)
+from mha2mla.kernels.reference import segment_ids_from_cu_seqlens, segment_ids_from_position_ids
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP32_ATOL = 1e-5
+TOLERANCE = {  # (atol, rtol) for 16-bit inputs against the fp32 reference on the same inputs
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (6e-2, 5e-2),
+}
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def attention_inputs(batch, heads, q_len, k_len, d_nope, d_rope, d_v, dtype=torch.float32, seed=0):
+    """q (B, H, Tq, d_n + d_r), k_nope (B, H, Tk, d_n), k_pe (B, Tk, d_r), v (B, H, Tk, d_v), leaves."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype).requires_grad_(True)
+
+    return (leaf(batch, heads, q_len, d_nope + d_rope), leaf(batch, heads, k_len, d_nope), leaf(batch, k_len, d_rope),
+            leaf(batch, heads, k_len, d_v))
+
+
+def forward_and_grads(fn, inputs, grad_out=None, **kwargs):
+    out = fn(*inputs, **kwargs)
+    if grad_out is None:
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    return out, grads, grad_out
+
+
+def assert_matches_reference(inputs, atol=FP32_ATOL, rtol=0.0, **kwargs):
+    """Kernel vs reference: output and the gradients of q, k_nope, k_pe (summed over heads), v."""
+    out, grads, grad_out = forward_and_grads(flash_mla_attention, inputs, backend="triton", **kwargs)
+    ref_kwargs = {k: v for k, v in kwargs.items() if k != "cu_seqlens"}
+    if "cu_seqlens" in kwargs:
+        ref_kwargs["segment_ids"] = segment_ids_from_cu_seqlens(kwargs["cu_seqlens"], inputs[1].shape[2])
+    ref, ref_grads, _ = forward_and_grads(flash_mla_reference, inputs, grad_out, **ref_kwargs)
+    names = ["out", "dq", "dk_nope", "dk_pe", "dv"]
+    errors = {}
+    for name, got, want in zip(names, (out, *grads), (ref, *ref_grads)):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+        errors[name] = max_abs_err(got, want)
+    return errors
+
+
+# --------------------------------------------------------------------------- training / prefill kernel
+
+SHAPES = [  # (B, H, T, d_n, d_r, d_v)
+    (1, 1, 16, 16, 16, 16),  # one tile, power-of-two dims
+    (2, 3, 70, 12, 8, 10),  # odd dims, d_qk != d_v, partial tiles
+    (1, 4, 128, 24, 8, 20),  # 4 heads, 128 tokens, several tiles
+    (2, 2, 33, 0, 16, 16),  # no no-rope part at all (full-capacity rope)
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_flash_fp32_matches_reference(shape):
+    batch, heads, tokens, d_nope, d_rope, d_v = shape
+    inputs = attention_inputs(batch, heads, tokens, tokens, d_nope, d_rope, d_v)
+    errors = assert_matches_reference(inputs, softmax_scale=(d_nope + d_rope) ** -0.5)
+    assert max(errors.values()) <= FP32_ATOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_flash_16bit_matches_reference(dtype):
+    inputs = attention_inputs(2, 3, 50, 50, 12, 8, 10, dtype=dtype)
+    atol, rtol = TOLERANCE[dtype]
+    assert_matches_reference(inputs, atol=atol, rtol=rtol)
+
+
+def test_flash_non_causal_and_cache_offset():
+    """Tq < Tk: queries are the last Tq positions (prefill after a cache); and non-causal attention."""
+    inputs = attention_inputs(1, 2, 20, 45, 12, 8, 16)
+    assert_matches_reference(inputs, causal=True)
+    assert_matches_reference(inputs, causal=False)
+
+
+def test_flash_packed_sequences_equal_separate_runs():
+    """Packing three sequences in one row (segment ids, or cu_seqlens) gives, per sequence, exactly
+    what the reference gives for that sequence alone: an oracle independent of the masking code."""
+    lengths = [17, 40, 23]
+    inputs = attention_inputs(1, 2, sum(lengths), sum(lengths), 12, 8, 10)
+    cu_seqlens = torch.tensor([0, 17, 57, 80], device=DEVICE)
+    out, grads, grad_out = forward_and_grads(flash_mla_attention, inputs, backend="triton", cu_seqlens=cu_seqlens)
+    q, k_nope, k_pe, v = inputs
+    start = 0
+    for length in lengths:
+        part = slice(start, start + length)
+        pieces = (q[:, :, part], k_nope[:, :, part], k_pe[:, part], v[:, :, part])
+        ref, ref_grads = forward_and_grads(flash_mla_reference, pieces, grad_out[:, :, part])[:2]
+        assert max_abs_err(out[:, :, part], ref) <= FP32_ATOL
+        got_grads = (grads[0][:, :, part], grads[1][:, :, part], grads[2][:, part], grads[3][:, :, part])
+        for got, want in zip(got_grads, ref_grads):
+            assert max_abs_err(got, want) <= FP32_ATOL
+        start += length
+    # segment ids with padding (-1) in a batch of two rows, against the masked reference
+    segments = torch.tensor([[0] * 30 + [1] * 50, [-1] * 11 + [4] * 60 + [-1] * 9], device=DEVICE)
+    assert_matches_reference(inputs=attention_inputs(2, 3, 80, 80, 12, 8, 10, seed=3), segment_ids=segments)
+
+
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_flash_rope_key_gradient_summed_across_head_groups(heads_per_program):
+    """Split the heads of the dK/dV pass over several programs: d k_pe is then added atomically."""
+    from mha2mla.kernels.flash_mla import FlashMLAConfig, default_config, flash_mla_triton
+
+    base = default_config(20, 10)
+    config = FlashMLAConfig(**{**base.__dict__, "heads_per_program": heads_per_program})
+    inputs = attention_inputs(2, 3, 40, 40, 12, 8, 10, seed=5)
+    out, grads, grad_out = forward_and_grads(lambda *t: flash_mla_triton(*t, 20**-0.5, config=config), inputs)
+    ref, ref_grads, _ = forward_and_grads(flash_mla_reference, inputs, grad_out, softmax_scale=20**-0.5)
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert max_abs_err(got, want) <= FP32_ATOL
+
+
+def test_flash_accepts_views_of_one_key_tensor():
+    """transformers' layout: key (B, H, T, d_n + d_r) whose rope part is the same in every head. The
+    kernel takes strided views (no copy) and the shared key's gradient flows back summed over heads."""
+    batch, heads, tokens, d_nope, d_rope, d_v = 2, 3, 30, 12, 8, 10
+    q, k_nope, k_pe, v = attention_inputs(batch, heads, tokens, tokens, d_nope, d_rope, d_v, seed=7)
+
+    def via_views(q, k_nope, k_pe, v):
+        key = torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1, -1)], dim=-1)  # (B, H, T, d_n + d_r)
+        return flash_mla_attention(q, key[..., :d_nope], key[:, 0, :, d_nope:], v, backend="triton")
+
+    out, grads, grad_out = forward_and_grads(via_views, (q, k_nope, k_pe, v))
+    ref, ref_grads, _ = forward_and_grads(flash_mla_reference, (q, k_nope, k_pe, v), grad_out)
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert max_abs_err(got, want) <= FP32_ATOL
+
+
+def test_segment_ids_helpers():
+    assert segment_ids_from_cu_seqlens(torch.tensor([0, 2, 5, 6])).tolist() == [[0, 0, 1, 1, 1, 2]]
+    positions = torch.tensor([[0, 1, 0, 1, 2, 0], [3, 4, 5, 6, 7, 8]])
+    assert segment_ids_from_position_ids(positions).tolist() == [[0, 0, 1, 1, 1, 2], [0] * 6]
+
+
+def test_backend_choice(monkeypatch):
+    x = torch.zeros(1, device=DEVICE)
+    monkeypatch.setenv("MHA2MLA_KERNELS", "reference")
+    assert choose_backend(x) == "reference"
+    monkeypatch.setenv("MHA2MLA_KERNELS", "auto")
+    expected = "triton" if (DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") else "reference"
+    assert choose_backend(x) == expected
+    monkeypatch.setenv("MHA2MLA_KERNELS", "bogus")
+    with pytest.raises(ValueError):
+        choose_backend(x)
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+
+def decode_inputs(batch, heads, max_len, d_nope, d_rope, d_v, rank, dtype=torch.float32, seed=0, spare_rows=5):
+    """q_nope (B, H, d_n), q_pe (B, H, d_r), latent_cache (B, T, r + d_r) a strided slice of a longer
+    buffer (as a preallocated cache is), w_uk (H, d_n, r), w_uv (H, d_v, r)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device=DEVICE, dtype=dtype)
+
+    buffer = rand(batch, max_len + spare_rows, rank + d_rope)  # (B, T + spare, r + d_r)
+    latent_cache = buffer[:, :max_len]  # (B, T, r + d_r) non-contiguous view
+    return (rand(batch, heads, d_nope), rand(batch, heads, d_rope), latent_cache,
+            rand(heads, d_nope, rank, scale=rank**-0.5), rand(heads, d_v, rank, scale=rank**-0.5))
+
+
+DECODE_CASES = [  # (B, H, T, d_n, d_r, d_v, r, lengths, num_splits)
+    (1, 1, 16, 16, 16, 16, 16, [16], None),
+    (3, 4, 100, 16, 8, 16, 24, [100, 1, 37], None),
+    (3, 4, 100, 16, 8, 16, 24, [100, 1, 37], 3),  # splits beyond a short sequence's end are empty
+    (2, 3, 77, 12, 8, 10, 40, [77, 50], 1),  # odd dims, one split
+    (2, 20, 64, 8, 16, 8, 20, [64, 33], 8),  # more heads than one head tile: two programs per split
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{c[0]}H{c[1]}T{c[2]}r{c[6]}s{c[8]}")
+def test_decode_fp32_matches_unabsorbed_reference(case):
+    batch, heads, max_len, d_nope, d_rope, d_v, rank, lengths, splits = case
+    q_nope, q_pe, cache, w_uk, w_uv = decode_inputs(batch, heads, max_len, d_nope, d_rope, d_v, rank)
+    seqlens = torch.tensor(lengths, device=DEVICE, dtype=torch.int32)
+    scale = (d_nope + d_rope) ** -0.5
+    got = mla_decode(q_nope, q_pe, cache, seqlens, w_uk, w_uv, scale, num_splits=splits, backend="triton")
+    want = mla_decode_unabsorbed_reference(q_nope, q_pe, cache, seqlens, w_uk, w_uv, scale)
+    absorbed = mla_decode_reference(q_nope, q_pe, cache, seqlens, w_uk, w_uv, scale)
+    assert got.shape == (batch, heads, d_v)
+    assert max_abs_err(got, want) <= FP32_ATOL
+    assert max_abs_err(absorbed, want) <= FP32_ATOL
+    # rows past cache_seqlens are never read: poisoning them changes nothing
+    poisoned = cache.clone()
+    for b, length in enumerate(lengths):
+        poisoned[b, length:] = float("nan")
+    again = mla_decode(q_nope, q_pe, poisoned, seqlens, w_uk, w_uv, scale, num_splits=splits, backend="triton")
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_decode_16bit(dtype):
+    q_nope, q_pe, cache, w_uk, w_uv = decode_inputs(2, 4, 90, 16, 8, 16, 24, dtype=dtype)
+    seqlens = torch.tensor([90, 41], device=DEVICE)
+    got = mla_decode(q_nope, q_pe, cache, seqlens, w_uk, w_uv, 0.2, backend="triton")
+    want = mla_decode_unabsorbed_reference(q_nope, q_pe, cache, seqlens, w_uk, w_uv, 0.2)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+class TensorRecorder(TorchDispatchMode):
+    """Records (op, shape, bytes) of every tensor any aten op produces, allocations included."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors: list[tuple[str, tuple[int, ...], int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for item in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(item, torch.Tensor):
+                self.tensors.append((str(func), tuple(item.shape), item.numel() * item.element_size()))
+        return result
+
+    def largest(self):
+        return max(self.tensors, key=lambda entry: entry[2])
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_decode_never_builds_per_head_keys_or_values(backend):
+    """Record every tensor produced during a decode call (under the interpreter this includes the
+    interpreter's own host copies of the arguments). Per-head keys or values for the cached tokens take
+    at least B*H*T*min(d_n, d_v) fp32 values; the whole cache buffer takes B*(T + spare)*(r + d_r),
+    which these dims make smaller. The absorbed decode never produces a tensor that large; the
+    un-absorbed oracle (what transformers does) does, which shows the detector can fail."""
+    batch, heads, max_len, d_nope, d_rope, d_v, rank = 2, 4, 96, 16, 8, 16, 24
+    per_head_kv_bytes = batch * heads * max_len * min(d_nope, d_v) * 4
+    q_nope, q_pe, cache, w_uk, w_uv = decode_inputs(batch, heads, max_len, d_nope, d_rope, d_v, rank)
+    assert cache.untyped_storage().nbytes() < per_head_kv_bytes
+    seqlens = torch.tensor([96, 60], device=DEVICE)
+
+    with TensorRecorder() as absorbed:
+        mla_decode(q_nope, q_pe, cache, seqlens, w_uk, w_uv, 0.25, backend=backend)
+    assert absorbed.tensors, "the recorder saw no op"
+    assert absorbed.largest()[2] < per_head_kv_bytes, absorbed.largest()
+    per_head_kv_shapes = {(batch, heads, max_len, d) for d in (d_nope, d_v, d_nope + d_rope)}
+    assert not any(shape in per_head_kv_shapes for _, shape, _ in absorbed.tensors)
+
+    with TensorRecorder() as unabsorbed:
+        mla_decode_unabsorbed_reference(q_nope, q_pe, cache, seqlens, w_uk, w_uv, 0.25)
+    assert unabsorbed.largest()[2] >= per_head_kv_bytes
+    assert any(shape in per_head_kv_shapes for _, shape, _ in unabsorbed.tensors)
+
+
+def test_decode_entry_point_takes_only_latent_cache_and_absorbed_factors(tmp_path):
+    """The decode kernel's tensor arguments are the absorbed queries, the latent cache rows and the
+    sequence lengths; with factors read from ``absorbed.safetensors`` it matches the un-absorbed path."""
+    import inspect
+
+    from mha2mla.kernels.decode import _decode_split_kernel
+    from mha2mla.modeling.absorbed import load_absorbed, write_absorbed
+    from tests.common import tiny_deepseek_config
+
+    config = tiny_deepseek_config(num_layers=1)
+    heads, d_nope, d_v, rank = 4, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+    kv_b = torch.randn(heads * (d_nope + d_v), rank) * rank**-0.5
+    write_absorbed(tmp_path, {"model.layers.0.self_attn.kv_b_proj.weight": kv_b}, config)
+    index, tensors = load_absorbed(tmp_path, device=DEVICE)
+    w_uk, w_uv = tensors["layers.0.w_uk"], tensors["layers.0.w_uv"]
+    q_nope, q_pe, cache, _, _ = decode_inputs(2, heads, 40, d_nope, config.qk_rope_head_dim, d_v, rank)
+    assert cache.shape[-1] == index["cache_values_per_token_per_layer"]
+    seqlens = torch.tensor([40, 9], device=DEVICE)
+    got = mla_decode(q_nope, q_pe, cache, seqlens, w_uk, w_uv, index["softmax_scale"], backend="triton")
+    want = mla_decode_unabsorbed_reference(q_nope, q_pe, cache, seqlens, w_uk, w_uv, index["softmax_scale"])
+    assert max_abs_err(got, want) <= FP32_ATOL
+    pointer_args = list(inspect.signature(_decode_split_kernel.fn).parameters)[:7]
+    assert pointer_args == ["QL", "QP", "C", "KP", "SEQ_LEN", "O_PART", "LSE_PART"]
+
+
+# ------------------------------------------------------------------------ whole model through transformers
+
+
+def tiny_models(**config_kwargs):
+    """The same random tiny DeepseekV3 twice: eager attention and mha2mla_triton."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.common import tiny_deepseek_config
+
+    config = tiny_deepseek_config(**config_kwargs)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so attention is far from uniform
+        for name, param in eager.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    ours = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
+    ours.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == ATTENTION_NAME
+    return eager.to(DEVICE), ours.to(DEVICE)
+
+
+def test_tiny_deepseek_same_loss_and_gradients_as_eager():
+    eager, ours = tiny_models(qk_nope_head_dim=12, v_head_dim=10)  # odd head dims on purpose
+    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    eager_loss = eager(ids, labels=ids).loss
+    eager_loss.backward()
+    calls = []
+    import mha2mla.kernels.flash_mla as flash_module
+
+    original = flash_module._forward
+    flash_module._forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        our_loss = ours(ids, labels=ids).loss
+    finally:
+        flash_module._forward = original
+    our_loss.backward()
+    assert len(calls) == 2, "both layers must run through the Triton kernel"
+    assert abs(eager_loss.item() - our_loss.item()) <= FP32_ATOL
+    for (name, p_eager), p_ours in zip(eager.named_parameters(), ours.parameters()):
+        assert p_ours.grad is not None and p_eager.grad.abs().max() > 0, name
+        assert max_abs_err(p_ours.grad, p_eager.grad) <= FP32_ATOL, name
+
+
+def test_tiny_deepseek_padding_packing_and_generation():
+    eager, ours = tiny_models()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 384, (2, 24), generator=gen).to(DEVICE)
+    with torch.no_grad():
+        # padding: row 0 right-padded by 5, row 1 left-padded by 7; compare real positions only
+        mask = torch.ones(2, 24, dtype=torch.long, device=DEVICE)
+        mask[0, -5:] = 0
+        mask[1, :7] = 0
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        want = eager(ids, attention_mask=mask, position_ids=position_ids).logits
+        got = ours(ids, attention_mask=mask, position_ids=position_ids).logits
+        real = mask.bool()
+        assert max_abs_err(got[real], want[real]) <= FP32_ATOL
+        # packing: two sequences in one row, restarting position ids == each sequence alone
+        first, second = ids[0, :10], ids[1, :14]
+        packed = torch.cat([first, second])[None]  # (1, 24)
+        positions = torch.cat([torch.arange(10), torch.arange(14)])[None].to(DEVICE)
+        got = ours(packed, position_ids=positions).logits[0]
+        assert max_abs_err(got[:10], eager(first[None]).logits[0]) <= FP32_ATOL
+        assert max_abs_err(got[10:], eager(second[None]).logits[0]) <= FP32_ATOL
+        # generation with a cache (queries after cached keys: the causal offset path)
+        prompt = ids[:1, :9]
+        want_tokens = eager.generate(prompt, max_new_tokens=4, do_sample=False)
+        got_tokens = ours.generate(prompt, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got_tokens, want_tokens)
+
+
+# -------------------------------------------------------------------------------------- GPU-only checks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_deepseek_shapes(dtype):
+    """DeepSeek-V3 head dims (d_n 128, d_r 64, d_v 128), 1k tokens, natively on the GPU."""
+    inputs = attention_inputs(1, 8, 1024, 1024, 128, 64, 128, dtype=dtype)
+    atol, rtol = TOLERANCE[dtype]
+    assert_matches_reference(inputs, atol=atol, rtol=rtol, softmax_scale=192**-0.5)
+    q_nope, q_pe, cache, w_uk, w_uv = decode_inputs(4, 16, 4096, 128, 64, 128, 512, dtype=dtype)
+    seqlens = torch.tensor([4096, 1, 2049, 3000], device=DEVICE)
+    got = mla_decode(q_nope, q_pe, cache, seqlens, w_uk, w_uv, 192**-0.5, backend="triton")
+    want = mla_decode_unabsorbed_reference(q_nope, q_pe, cache, seqlens, w_uk, w_uv, 192**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_smollm2_shapes():
+    """SmolLM2-MLA dims (H 9, d_n 48, d_r 16, d_v 64) in fp32 with IEEE dots: the 1e-5 bound natively."""
+    inputs = attention_inputs(2, 9, 300, 300, 48, 16, 64)
+    errors = assert_matches_reference(inputs, softmax_scale=64**-0.5)
+    assert max(errors.values()) <= FP32_ATOL
