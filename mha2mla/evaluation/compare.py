@@ -11,7 +11,7 @@ import torch
 
 from mha2mla import UserError, __version__
 from mha2mla.evaluation.harness import evaluate_model, normalize_limit
-from mha2mla.evaluation.loading import LoadedModel, default_device, load_model
+from mha2mla.evaluation.loading import LoadedModel, check_model_spec, default_device, load_model
 from mha2mla.evaluation.measure import forward_throughput, kv_cache_size, parameter_counts
 from mha2mla.evaluation.report import write_report
 from mha2mla.evaluation.tasks import check_tasks, parse_task_list, task_manager
@@ -127,10 +127,12 @@ def run_eval(
         raise UserError(f"--batch-size must be at least 1, got {batch_size}.")
     task_names = parse_task_list(tasks)
     limit = normalize_limit(limit)
+    specs = ([(baseline, "source")] if baseline else []) + [(spec, "model") for spec in models]
+    for spec, _ in specs:  # fail on a bad path before the slow parts
+        check_model_spec(spec)
     manager = task_manager()
     check_tasks(task_names, manager)  # fail on a bad task name before loading any model
     device = device or default_device()
-    specs = ([(baseline, "source")] if baseline else []) + [(spec, "model") for spec in models]
     results = []
     for spec, role in specs:
         loaded = load_model(spec, dtype=dtype, device=device)

@@ -73,6 +73,23 @@ def _clear_gguf_quantizer(model) -> None:
         del model.config.quantization_config
 
 
+def check_model_spec(spec: str | Path) -> None:
+    """Fail early (before any evaluation starts) on a path that can't be a causal LM."""
+    if str(spec) == "default":
+        return
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        _check_causal_lm_folder(path)
+    elif path.is_file() and path.suffix != ".gguf":
+        raise UserError(f"{path} is a file but not a .gguf model; pass a model folder or a .gguf file.")
+    elif not path.exists() and not _looks_like_hub_id(str(spec)):
+        raise UserError(f"{spec} does not exist; pass a model folder, a .gguf file or a Hugging Face hub id.")
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    return spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+
+
 def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str | None = None) -> LoadedModel:
     """Load ``spec`` (folder, ``.gguf`` file, ``"default"`` for the default SmolLM2 GGUF, or a hub id when online)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,10 +121,14 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str 
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except (ValueError, OSError) as error:
             raise UserError(f"{path} has no usable tokenizer ({str(error).splitlines()[0][:200]}).") from None
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        except OSError as error:
+            raise UserError(
+                f"could not load the weights in {path} ({str(error).splitlines()[0][:200]})."
+            ) from None
     else:
-        looks_like_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
-        if not looks_like_hub_id:
+        if not _looks_like_hub_id(spec):
             raise UserError(
                 f"{spec} does not exist; pass a model folder, a .gguf file or a Hugging Face hub id."
             )

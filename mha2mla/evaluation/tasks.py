@@ -158,10 +158,15 @@ def _hub_reachable() -> bool:
 
 
 def task_manager():
-    """An lm-eval TaskManager that knows lm-eval's own tasks and the bundled ones."""
+    """An lm-eval TaskManager that knows lm-eval's own tasks and the bundled ones (built once per folder)."""
+    return _task_manager_for(str(bundled_task_dir()))
+
+
+@functools.lru_cache(maxsize=4)
+def _task_manager_for(include_path: str):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(bundled_task_dir()))
+    return TaskManager(include_path=include_path)  # indexing ~15k task configs takes seconds: reuse it
 
 
 def parse_task_list(tasks: str | list[str] | tuple[str, ...] | None) -> list[str]:

@@ -1,0 +1,316 @@
+"""`mha2mla eval` on tiny random models: report files, equality with a direct lm-eval run, KV bytes, errors.
+
+The held-out texts are replaced by small synthetic ones in a temporary MHA2MLA_CACHE, so nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from common import build_source, tiny_deepseek_config, tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+from mha2mla import UserError
+
+LIMIT = 3
+TASKS = ["kjv_ppl", "python_docs_ppl", "mmlu_dev_mc", "mmlu_dev_cloze"]
+
+
+def _synthetic_text(seed: int) -> str:
+    generator = torch.Generator().manual_seed(seed)
+    words = [
+        "keys",
+        "values",
+        "latent",
+        "cache",
+        "head",
+        "the",
+        "and",
+        "def",
+        "return",
+        "model",
+        "of",
+        "rope",
+    ]
+    lines = []
+    for i in range(3000):
+        picks = torch.randint(len(words), (8,), generator=generator).tolist()
+        lines.append(f"{i}: " + " ".join(words[p] for p in picks) + ".")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def eval_cache(tmp_path_factory):
+    """A private MHA2MLA_CACHE holding synthetic 'held-out' texts (the real ones need apt downloads)."""
+    root = tmp_path_factory.mktemp("cache")
+    (root / "text").mkdir()
+    (root / "text" / "kjv.txt").write_text(_synthetic_text(1), encoding="utf-8")
+    (root / "text" / "python_docs.txt").write_text(_synthetic_text(2), encoding="utf-8")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MHA2MLA_CACHE", str(root))
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setenv("HF_DATASETS_OFFLINE", "1")
+    patch.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
+    yield root
+    patch.undo()
+
+
+def _save_deepseek(path, dtype=torch.float32, seed=1, **config_kwargs):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(**config_kwargs), dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    source = build_source(root / "source", family="llama")
+    converted = _save_deepseek(root / "converted")
+    report = {
+        "layers": [
+            {
+                "layer": i,
+                "kv_lora_rank": 24,
+                "rope_pairs": [0, 1, 2, 3],
+                "k_rel_error": 0.1 * (i + 1),
+                "v_rel_error": 0.05,
+            }
+            for i in range(2)
+        ]
+    }
+    (converted / "conversion_report.json").write_text(json.dumps(report))
+    return {"source": source, "converted": converted}
+
+
+def _run_cli(args, monkeypatch):
+    """Run ``mha2mla ...`` in-process through the real entry point; return its exit code."""
+    from mha2mla.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["mha2mla", *args])
+    try:
+        main()
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    return 0
+
+
+@pytest.fixture(scope="module")
+def cli_report(eval_cache, models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    patch = pytest.MonkeyPatch()
+    code = _run_cli(
+        [
+            "eval",
+            str(models["converted"]),
+            "--baseline",
+            str(models["source"]),
+            "--limit",
+            str(LIMIT),
+            "--out",
+            str(out),
+            "--seed",
+            "7",
+        ],
+        patch,
+    )
+    patch.undo()
+    assert code == 0
+    return out
+
+
+def test_cli_writes_table_json_and_plots(cli_report, capsys):
+    report = json.loads((cli_report / "results.json").read_text())
+    assert [m["role"] for m in report["models"]] == ["source", "model"]
+    assert report["settings"]["seed"] == 7 and report["settings"]["limit"] == LIMIT
+    for model in report["models"]:
+        assert model["shown"] == TASKS
+        assert all(model["n_samples"][task] == LIMIT for task in TASKS)
+        assert 0.0 <= model["tasks"]["mmlu_dev_mc"]["acc"] <= 1.0
+        assert model["tasks"]["kjv_ppl"]["word_perplexity"] > 1.0
+        assert model["measurements"]["parameters"] > model["measurements"]["attention_parameters"] > 0
+        assert model["measurements"]["tokens_per_second"] > 0
+    table = (cli_report / "results.md").read_text()
+    assert table.startswith("| task | metric | source | converted | delta |")
+    source, converted = report["models"]
+    row = next(r for r in report["table"] if r["task"] == "kjv_ppl" and r["metric"] == "word_perplexity")
+    delta = converted["tasks"]["kjv_ppl"]["word_perplexity"] - source["tasks"]["kjv_ppl"]["word_perplexity"]
+    assert row["deltas"][converted["name"]]["delta"] == pytest.approx(delta)
+    assert converted["conversion_report"]["layers"][1]["k_rel_error"] == pytest.approx(0.2)
+    for name in ("tasks.png", "conversion_error.png", "perplexity_vs_kv.png"):
+        assert (cli_report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_numbers_equal_a_direct_lm_eval_run(cli_report, models):
+    """The report's numbers are those of lm-eval's own `hf` model loading the same folder."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from mha2mla.evaluation.harness import summarize
+    from mha2mla.evaluation.tasks import bundled_task_dir
+
+    report = json.loads((cli_report / "results.json").read_text())
+    ours = next(m for m in report["models"] if m["role"] == "model")["tasks"]
+    direct = lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(models["converted"]), "device": "cpu"},
+        tasks=["kjv_ppl", "mmlu_dev_cloze"],
+        limit=LIMIT,
+        task_manager=TaskManager(include_path=str(bundled_task_dir())),
+        log_samples=False,
+        bootstrap_iters=0,
+    )
+    theirs = summarize(direct)["results"]
+    for task, metric in [
+        ("kjv_ppl", "word_perplexity"),
+        ("kjv_ppl", "bits_per_byte"),
+        ("mmlu_dev_cloze", "acc"),
+        ("mmlu_dev_cloze", "acc_norm"),
+    ]:
+        assert ours[task][metric] == pytest.approx(theirs[task][metric], rel=1e-9), (task, metric)
+
+
+def test_kv_bytes_per_token_of_the_report(cli_report):
+    report = json.loads((cli_report / "results.json").read_text())
+    source, converted = report["models"]
+    assert (
+        source["measurements"]["kv_cache_bytes_per_token"] == 2 * 2 * 16 * 2 * 4
+    )  # K+V, G=2, d=16, 2 layers, fp32
+    assert (
+        converted["measurements"]["kv_cache_bytes_per_token"] == (24 + 8) * 2 * 4
+    )  # (r + d_r) * layers * fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_bytes_per_token_of_deepseek_equals_latent_plus_rope(dtype):
+    from mha2mla.evaluation import kv_cache_size
+
+    config = tiny_deepseek_config(kv_lora_rank=20, qk_rope_head_dim=6, num_layers=3)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    measured = kv_cache_size(model, torch.randint(0, 300, (2, 11)))
+    element = torch.tensor([], dtype=dtype).element_size()
+    assert measured["kv_cache_bytes_per_token"] == (20 + 6) * 3 * element
+    assert measured["kv_cache_values_per_token"] == (20 + 6) * 3
+
+
+def test_evaluate_model_on_a_model_in_memory(eval_cache, models):
+    from mha2mla.evaluation import evaluate_model, load_model, task_manager
+
+    loaded = load_model(models["source"], device="cpu")
+    manager = task_manager()
+
+    def perplexity():
+        result = evaluate_model(loaded.model, loaded.tokenizer, ["kjv_ppl"], limit=1, task_manager=manager)
+        assert result["n_samples"] == {"kjv_ppl": 1}
+        return result["results"]["kjv_ppl"]["word_perplexity"]
+
+    first = perplexity()
+    with torch.no_grad():  # the object in memory is what gets evaluated: change it, the score changes
+        loaded.model.lm_head.weight.mul_(0.5)
+    changed = perplexity()
+    with torch.no_grad():
+        loaded.model.lm_head.weight.mul_(2.0)
+    assert changed != pytest.approx(first, rel=1e-3)
+    assert perplexity() == pytest.approx(first, rel=1e-12)
+
+
+def test_bundled_mmlu_items_are_well_formed_and_reproducible():
+    from mha2mla.evaluation.mmlu_items import MMLU_DEV_FILE, extract_mmlu_dev_items, parse_item
+
+    shipped = [json.loads(line) for line in MMLU_DEV_FILE.read_text(encoding="utf-8").splitlines()]
+    assert len(shipped) > 250
+    assert all(
+        len(item["choices"]) == 4 and item["answer"] in range(4) and item["question"] for item in shipped
+    )
+    assert extract_mmlu_dev_items()[0] == shipped
+    item = parse_item(
+        "x", "What is 1+1?\n(A) 1\n(B) 2 (C) 3 (D) (4)", "Think. The answer is (A). No, the answer is (B)."
+    )
+    assert item == {
+        "subject": "x",
+        "question": "What is 1+1?",
+        "choices": ["1", "2", "3", "(4)"],
+        "answer": 1,
+    }
+    assert parse_item("x", "No choices here", "The answer is (A).") is None
+
+
+def test_missing_or_malformed_conversion_report_is_skipped(tmp_path):
+    from mha2mla.evaluation.compare import read_conversion_report
+    from mha2mla.evaluation.report import plot_conversion_error
+
+    assert read_conversion_report(tmp_path) is None
+    (tmp_path / "conversion_report.json").write_text("{not json")
+    assert read_conversion_report(tmp_path) is None
+    (tmp_path / "conversion_report.json").write_text(json.dumps({"layers": "nope"}))
+    assert read_conversion_report(tmp_path) is None
+    assert plot_conversion_error([{"name": "m"}], tmp_path / "x.png") is None
+    assert not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------- errors: one sentence, exit code 2
+
+
+def _error_of(args, monkeypatch, capsys):
+    capsys.readouterr()  # drop earlier output (progress bars of fixtures)
+    code = _run_cli(["eval", *args], monkeypatch)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_folder_that_is_not_a_causal_lm(eval_cache, tmp_path, monkeypatch, capsys):
+    from transformers import BertConfig, BertForMaskedLM, ViTConfig
+
+    bert = tmp_path / "bert"
+    BertForMaskedLM(
+        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    ).save_pretrained(bert)
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path / "vit")
+    for folder, what in ((bert, "BertForMaskedLM"), (tmp_path / "vit", "'vit'")):
+        code, err = _error_of([str(folder), "--tasks", "mmlu_dev_mc"], monkeypatch, capsys)
+        assert code == 2
+        assert "not a causal language model" in err and what in err
+        assert "\n" not in err and "Traceback" not in err
+
+
+def test_folder_without_config_and_missing_path(eval_cache, tmp_path, monkeypatch, capsys):
+    code, err = _error_of([str(tmp_path), "--tasks", "mmlu_dev_mc"], monkeypatch, capsys)
+    assert code == 2 and "no config.json" in err
+    code, err = _error_of([str(tmp_path / "absent"), "--tasks", "mmlu_dev_mc"], monkeypatch, capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_unknown_task_name(eval_cache, models, tmp_path, monkeypatch, capsys):
+    code, err = _error_of([str(models["source"]), "--tasks", "kjv_pl"], monkeypatch, capsys)
+    assert code == 2
+    assert err == "error: unknown task 'kjv_pl'; did you mean kjv_ppl?"
+
+
+def test_hub_task_when_offline(eval_cache, models, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, err = _error_of([str(models["source"]), "--tasks", "kjv_ppl,arc_easy"], monkeypatch, capsys)
+    assert code == 2
+    assert "'arc_easy'" in err and "offline" in err and "\n" not in err
+
+
+def test_offline_detection(monkeypatch):
+    from mha2mla.evaluation import check_tasks, is_offline
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert is_offline()
+
+    from types import SimpleNamespace
+
+    manager = SimpleNamespace(all_tasks=["arc_easy", "kjv_ppl"])
+    check_tasks(["arc_easy"], manager, offline=False)  # online: a hub task is fine
+    check_tasks(["kjv_ppl"], manager, offline=True)  # offline: bundled tasks are fine
+    with pytest.raises(UserError, match="offline"):
+        check_tasks(["arc_easy"], manager, offline=True)
