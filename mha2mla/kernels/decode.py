@@ -1,6 +1,6 @@
 """Triton absorbed decode over the latent cache: split-KV, then a log-sum-exp merge (DESIGN §4, §5).
 
-Pass 1 (``_decode_split_kernel``), grid (B, splits, head groups): a program owns one slice of one
+Pass 1 (``_decode_split_kernel``), grid (head groups, B, splits): a program owns one slice of one
 sequence's cache rows and a group of BLOCK_H heads. For every tile of BLOCK_N cache rows it loads the
 latent tile c (BLOCK_N, r) and the rope-key tile (BLOCK_N, d_r) ONCE and uses them for all heads of the
 group: scores = q_lat c^T + q_pe k_pe^T (BLOCK_H, BLOCK_N), o_lat += p c. It writes the slice's
@@ -32,9 +32,9 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    pid_h = tl.program_id(2)
+    pid_h = tl.program_id(0)  # fastest axis: the head groups of one cache slice run side by side (L2 reuse)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # (BH,) heads served by this program
     offs_r = tl.arange(0, BLOCK_R)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -95,11 +95,11 @@ def _decode_merge_kernel(
     pid = tl.program_id(0)  # b * H + h
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    lse_max = float("-inf")
+    lse_max = tl.full([], float("-inf"), dtype=tl.float32)
     for split in range(0, num_splits):
         lse_max = tl.maximum(lse_max, tl.load(LSE_PART + pid * num_splits + split))
     lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = 0.0
+    total = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for split in range(0, num_splits):
         lse_s = tl.load(LSE_PART + pid * num_splits + split)
@@ -126,7 +126,7 @@ def decode_blocks(num_heads: int, rank: int) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps)."""
     if interpreting():
         return 16, 16, 1
-    block_h = min(64, next_power_of_two(num_heads))
+    block_h = min(32 if rank > 256 else 64, next_power_of_two(num_heads))  # acc (BH, r) fp32 stays in registers
     block_n = 32 if next_power_of_two(rank) >= 512 else 64
     return block_h, block_n, 4 if block_h <= 16 else 8
 
@@ -156,7 +156,7 @@ def mla_decode_latent_triton(
     seqlens = cache_seqlens.to(device=latent.device, dtype=torch.int32).contiguous()  # (B,)
     o_part = torch.empty(batch, heads, splits, rank, device=latent.device, dtype=torch.float32)  # (B, H, S, r)
     lse_part = torch.empty(batch, heads, splits, device=latent.device, dtype=torch.float32)  # (B, H, S)
-    _decode_split_kernel[(batch, splits, head_groups)](
+    _decode_split_kernel[(head_groups, batch, splits)](
         q_lat, q_pe, latent, k_pe, seqlens, o_part, lse_part,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent.stride(0), latent.stride(1), k_pe.stride(0), k_pe.stride(1),

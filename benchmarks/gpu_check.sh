@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# bash benchmarks/gpu_check.sh [OUT_DIR]
+# One prepared GPU check for the MLA kernels (DESIGN §5), < 5 minutes on one H200:
+#   1. the kernel tests natively on CUDA (gpu-marked tests and bf16 included),
+#   2. benchmarks/kernels_bench.py: prefill fwd/bwd TFLOP/s vs torch SDPA, decode GB/s vs HBM (JSON).
+# Results land in OUT_DIR (default: $OUT if set, else ./gpu_check_out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-${OUT:-gpu_check_out}}"
+mkdir -p "$OUT_DIR"
+
+# A Python with CUDA torch, triton and this package importable.
+PY=""
+for candidate in "${PYTHON:-}" .venv/bin/python python3 python; do
+  [ -n "$candidate" ] || continue
+  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch, triton; assert torch.cuda.is_available()" 2>/dev/null; then
+    PY="$candidate"; break
+  fi
+done
+if [ -z "$PY" ]; then
+  echo '{"error": "no Python with CUDA torch and triton found (set PYTHON=...)"}'
+  exit 2
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+"$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT_DIR/gpu.txt"
+
+# -m overrides pyproject's "not slow and not gpu" so the gpu tests run too.
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_kernels.py 2>&1 | tee "$OUT_DIR/kernel_tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+timeout 130 "$PY" benchmarks/kernels_bench.py --json "$OUT_DIR/kernels_bench.json" 2>&1 | tee "$OUT_DIR/kernels_bench.txt"
+bench_rc=${PIPESTATUS[0]}
+
+echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"out_dir\": \"$OUT_DIR\"}"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

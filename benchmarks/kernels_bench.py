@@ -1,0 +1,185 @@
+"""MLA kernel benchmark on one GPU: prefill/training TFLOP/s against torch SDPA, decode GB/s against HBM.
+
+    python benchmarks/kernels_bench.py --json kernels_bench.json [--quick] [--hbm-tb-s 4.8]
+
+Prints one JSON object per measurement, then a summary JSON object and a Markdown table.
+Shapes: DeepSeek-like (d_n 128, d_r 64, d_v 128, r 512, H 32..128) and SmolLM2-MLA (H 9, d_n 64,
+d_v 64, d_r 16..32, r 128..512). bf16 throughout. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+DEVICE = "cuda"
+
+
+def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    if DEVICE != "cuda":  # --smoke on CPU: one timed call, only to exercise the code path
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms))
+
+
+def attention_flops(batch, heads, tokens, d_qk, d_v, backward=False):
+    """Causal: half of the Tq x Tk score matrix. Forward QK^T + PV; backward recomputes QK^T and adds
+    dV, dP, dQ, dK (3 d_qk-wide + 2 d_v-wide products)."""
+    pairs = batch * heads * tokens * tokens / 2
+    forward = 2 * pairs * (d_qk + d_v)
+    return 2 * pairs * (3 * d_qk + 2 * d_v) if backward else forward
+
+
+def prefill_case(name, batch, heads, tokens, d_nope, d_rope, d_v, dtype=torch.bfloat16):
+    from mha2mla.kernels.ops import flash_mla_attention
+
+    dev = DEVICE
+    q = torch.randn(batch, heads, tokens, d_nope + d_rope, device=dev, dtype=dtype, requires_grad=True)
+    k_nope = torch.randn(batch, heads, tokens, d_nope, device=dev, dtype=dtype, requires_grad=True)
+    k_pe = torch.randn(batch, tokens, d_rope, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(batch, heads, tokens, d_v, device=dev, dtype=dtype, requires_grad=True)
+    scale = (d_nope + d_rope) ** -0.5
+    grad = torch.randn(batch, heads, tokens, d_v, device=dev, dtype=dtype)
+
+    def ours():
+        return flash_mla_attention(q, k_nope, k_pe, v, scale, backend="triton")
+
+    key = torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1, -1)], dim=-1).detach().requires_grad_(True)
+
+    def sdpa():  # the per-head key that transformers builds
+        return torch.nn.functional.scaled_dot_product_attention(q, key, v, is_causal=True, scale=scale)
+
+    result = {"kind": "prefill", "name": name, "B": batch, "H": heads, "T": tokens, "d_n": d_nope, "d_r": d_rope,
+              "d_v": d_v, "dtype": str(dtype).removeprefix("torch.")}
+    with torch.no_grad():
+        reference = sdpa().float()
+        result["max_abs_err_vs_sdpa"] = (ours().float() - reference).abs().max().item()
+    fwd_flops = attention_flops(batch, heads, tokens, d_nope + d_rope, d_v)
+    bwd_flops = attention_flops(batch, heads, tokens, d_nope + d_rope, d_v, backward=True)
+    for label, fn in (("ours", ours), ("sdpa", sdpa)):
+        with torch.no_grad():
+            fwd_ms = bench_ms(fn)
+        out = fn()
+        bwd_ms = bench_ms(lambda: out.backward(grad, retain_graph=True))
+        result[f"{label}_fwd_ms"] = fwd_ms
+        result[f"{label}_bwd_ms"] = bwd_ms
+        result[f"{label}_fwd_tflops"] = fwd_flops / fwd_ms / 1e9
+        result[f"{label}_bwd_tflops"] = bwd_flops / bwd_ms / 1e9
+        del out
+    result["fwd_speedup_vs_sdpa"] = result["sdpa_fwd_ms"] / result["ours_fwd_ms"]
+    result["bwd_speedup_vs_sdpa"] = result["sdpa_bwd_ms"] / result["ours_bwd_ms"]
+    return result
+
+
+def decode_case(name, batch, heads, tokens, d_nope, d_rope, d_v, rank, hbm_tb_s, dtype=torch.bfloat16):
+    from mha2mla.kernels.ops import mla_decode, mla_decode_latent
+    from mha2mla.kernels.reference import mla_decode_reference
+
+    dev = DEVICE
+    cache = torch.randn(batch, tokens, rank + d_rope, device=dev, dtype=dtype)  # (B, T, r + d_r)
+    q_nope = torch.randn(batch, heads, d_nope, device=dev, dtype=dtype)
+    q_pe = torch.randn(batch, heads, d_rope, device=dev, dtype=dtype)
+    w_uk = torch.randn(heads, d_nope, rank, device=dev, dtype=dtype) * rank**-0.5
+    w_uv = torch.randn(heads, d_v, rank, device=dev, dtype=dtype) * rank**-0.5
+    seqlens = torch.full((batch,), tokens, device=dev, dtype=torch.int32)
+    scale = (d_nope + d_rope) ** -0.5
+    latent, k_pe = cache[..., :rank], cache[..., rank:]
+    q_lat = torch.randn(batch, heads, rank, device=dev, dtype=dtype)
+
+    result = {"kind": "decode", "name": name, "B": batch, "H": heads, "T": tokens, "r": rank, "d_r": d_rope,
+              "dtype": str(dtype).removeprefix("torch.")}
+    got = mla_decode(q_nope, q_pe, cache, seqlens, w_uk, w_uv, scale, backend="triton")
+    want = mla_decode_reference(q_nope, q_pe, cache, seqlens, w_uk, w_uv, scale)
+    result["max_abs_err_vs_reference"] = (got.float() - want.float()).abs().max().item()
+    cache_bytes = cache.numel() * cache.element_size()
+    kernel_ms = bench_ms(lambda: mla_decode_latent(q_lat, q_pe, latent, k_pe, seqlens, scale, backend="triton"))
+    step_ms = bench_ms(lambda: mla_decode(q_nope, q_pe, cache, seqlens, w_uk, w_uv, scale, backend="triton"))
+    torch_ms = bench_ms(lambda: mla_decode_reference(q_nope, q_pe, cache, seqlens, w_uk, w_uv, scale))
+    result["cache_mb"] = cache_bytes / 1e6
+    result["kernel_ms"] = kernel_ms
+    result["kernel_gb_s"] = cache_bytes / kernel_ms / 1e6
+    result["kernel_fraction_of_hbm"] = result["kernel_gb_s"] / (hbm_tb_s * 1e3)
+    result["step_with_absorption_ms"] = step_ms
+    result["torch_absorbed_reference_ms"] = torch_ms
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write all results to this file")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
+    parser.add_argument("--hbm-tb-s", type=float, default=4.8, help="HBM bandwidth of the GPU (H200: 4.8)")
+    args = parser.parse_args(argv)
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print(json.dumps({"error": "kernels_bench.py needs a CUDA GPU"}))
+        return 2
+    prefill = [
+        ("deepseek-H32", 1, 32, 4096, 128, 64, 128),
+        ("deepseek-H128", 1, 128, 2048, 128, 64, 128),
+        ("smollm2-mla-dr16", 4, 9, 2048, 64, 16, 64),
+        ("smollm2-mla-dr32", 4, 9, 2048, 64, 32, 64),
+    ]
+    decode = [
+        ("deepseek-H128-r512", 32, 128, 4096, 128, 64, 128, 512),
+        ("deepseek-H32-r512", 64, 32, 8192, 128, 64, 128, 512),
+        ("deepseek-H128-r512-B1", 1, 128, 32768, 128, 64, 128, 512),
+        ("smollm2-mla-r128", 64, 9, 4096, 64, 32, 64, 128),
+        ("smollm2-mla-r480", 64, 9, 4096, 64, 16, 64, 480),
+    ]
+    if args.smoke:
+        prefill = [("smoke", 1, 2, 64, 16, 16, 16)]
+        decode = [("smoke", 2, 3, 64, 16, 16, 16, 24)]
+    elif args.quick:
+        prefill, decode = prefill[::2], decode[::2]
+    results = []
+    started = time.time()
+    for case in prefill:
+        try:
+            results.append(prefill_case(*case))
+        except Exception as error:  # keep going: one failing shape must not hide the others
+            results.append({"kind": "prefill", "name": case[0], "error": f"{type(error).__name__}: {error}"})
+        print(json.dumps(results[-1]), flush=True)
+        torch.cuda.empty_cache()
+    for case in decode:
+        try:
+            results.append(decode_case(*case, hbm_tb_s=args.hbm_tb_s))
+        except Exception as error:
+            results.append({"kind": "decode", "name": case[0], "error": f"{type(error).__name__}: {error}"})
+        print(json.dumps(results[-1]), flush=True)
+        torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
+    summary = {"device": device_name, "torch": torch.__version__, "seconds": time.time() - started,
+               "hbm_tb_s": args.hbm_tb_s, "results": results}
+    print(json.dumps(summary))
+    print("\n| kind | shape | ours fwd / bwd | SDPA fwd / bwd | decode GB/s (share of HBM) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['kind']} | {r['name']} | error: {r['error'][:60]} | | |")
+        elif r["kind"] == "prefill":
+            print(f"| prefill | {r['name']} B{r['B']} H{r['H']} T{r['T']} | {r['ours_fwd_tflops']:.0f} / "
+                  f"{r['ours_bwd_tflops']:.0f} TFLOP/s | {r['sdpa_fwd_tflops']:.0f} / {r['sdpa_bwd_tflops']:.0f} TFLOP/s | |")
+        else:
+            print(f"| decode | {r['name']} B{r['B']} H{r['H']} T{r['T']} | | | {r['kernel_gb_s']:.0f} "
+                  f"({100 * r['kernel_fraction_of_hbm']:.0f}%) |")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(summary, handle, indent=2)
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
