@@ -162,6 +162,21 @@ def test_segment_ids_helpers():
     assert segment_ids_from_position_ids(positions).tolist() == [[0, 0, 1, 1, 1, 2], [0] * 6]
 
 
+def test_attention_segment_ids_from_masks_and_positions():
+    from mha2mla.kernels.attention import attention_segment_ids
+
+    assert attention_segment_ids(2, 5, 5, position_ids=torch.arange(5)[None].expand(2, 5)) is None  # plain causal
+    packed = attention_segment_ids(1, 5, 5, position_ids=torch.tensor([[0, 1, 0, 1, 2]]))
+    assert packed.tolist() == [[0, 0, 1, 1, 1]]
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    assert attention_segment_ids(1, 5, 5, attention_mask=mask).tolist() == [[0, 0, 0, -1, -1]]
+    mask.copy_(torch.tensor([[0, 1, 1, 1, 1]]))  # changed in place: the memo must not answer
+    assert attention_segment_ids(1, 5, 5, attention_mask=mask).tolist() == [[-1, 0, 0, 0, 0]]
+    other = torch.tensor([[0, 0, 1, 1, 1]])  # another tensor, same shape
+    assert attention_segment_ids(1, 5, 5, attention_mask=other).tolist() == [[-1, -1, 0, 0, 0]]
+    assert attention_segment_ids(1, 2, 5, attention_mask=other).tolist() == [[-1, -1, 0, 0, 0]]  # cache
+
+
 def test_backend_choice(monkeypatch):
     x = torch.zeros(1, device=DEVICE)
     monkeypatch.setenv("MHA2MLA_KERNELS", "reference")

@@ -16,6 +16,7 @@ to transformers' SDPA attention with a one-time warning.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -25,7 +26,7 @@ from mha2mla.kernels.reference import segment_ids_from_cu_seqlens, segment_ids_f
 ATTENTION_NAME = "mha2mla_triton"
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()
-_segment_memo: dict = {}
+_segment_memo: dict = {"key": None, "refs": None, "segments": None}
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -34,8 +35,9 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
-def _tensor_key(t: torch.Tensor | None):
-    return None if t is None else (t.data_ptr(), tuple(t.shape), t._version, t.device)
+def _same_tensors(refs, tensors) -> bool:
+    """True when every memoised weak reference still points at the very same tensor object."""
+    return refs is not None and all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, tensors))
 
 
 def attention_segment_ids(
@@ -43,11 +45,13 @@ def attention_segment_ids(
 ) -> torch.Tensor | None:
     """Segment ids (B, Tk) for the kernel, or None when plain causal attention is exact.
 
-    Padding keys (mask 0) get segment -1; packed sequences get one id each. Memoised per layer call
-    sequence (all layers of one forward see the same tensors), so the host sync happens once."""
-    memo_key = (_tensor_key(attention_mask), _tensor_key(position_ids), _tensor_key(cu_seq_lens_k), batch, q_len, k_len)
-    if memo_key in _segment_memo:
-        return _segment_memo[memo_key]
+    Padding keys (mask 0) get segment -1; packed sequences get one id each. All layers of one forward
+    see the same mask / position tensors, so the result is memoised on those tensor objects (weak
+    references plus their version counters) and the host sync happens once per forward."""
+    tensors = (attention_mask, position_ids, cu_seq_lens_k)
+    key = (batch, q_len, k_len, tuple(None if t is None else t._version for t in tensors))
+    if _segment_memo["key"] == key and _same_tensors(_segment_memo["refs"], tensors):
+        return _segment_memo["segments"]
     segments = None
     if cu_seq_lens_k is not None and batch == 1 and q_len == k_len:
         segments = segment_ids_from_cu_seqlens(cu_seq_lens_k, k_len)  # (1, Tk)
@@ -59,9 +63,7 @@ def attention_segment_ids(
         keep = attention_mask[:, -k_len:].to(torch.bool)  # (B, Tk)
         base = segments if segments is not None else torch.zeros_like(keep, dtype=torch.int32)
         segments = torch.where(keep, base, torch.full_like(base, -1))
-    if len(_segment_memo) > 8:
-        _segment_memo.clear()
-    _segment_memo[memo_key] = segments
+    _segment_memo.update(key=key, refs=tuple(None if t is None else weakref.ref(t) for t in tensors), segments=segments)
     return segments
 
 
