@@ -16,7 +16,6 @@ import time
 
 import torch
 
-
 DEVICE = "cuda"
 
 
@@ -68,7 +67,7 @@ def prefill_case(name, batch, heads, tokens, d_nope, d_rope, d_v, dtype=torch.bf
         with torch.no_grad():
             fwd_ms = bench_ms(fn)
         out = fn()
-        bwd_ms = bench_ms(lambda: out.backward(grad, retain_graph=True))
+        bwd_ms = bench_ms(lambda out=out: out.backward(grad, retain_graph=True))
         result[f"{label}_fwd_ms"] = fwd_ms
         result[f"{label}_bwd_ms"] = bwd_ms
         result[f"{label}_fwd_tflops"] = fwd_flops / fwd_ms / 1e9
@@ -149,14 +148,14 @@ def main(argv=None) -> int:
     for case in prefill:
         try:
             results.append(prefill_case(*case))
-        except Exception as error:  # keep going: one failing shape must not hide the others
+        except Exception as error:  # noqa: BLE001 -- keep going: one failing shape must not hide the others
             results.append({"kind": "prefill", "name": case[0], "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(results[-1]), flush=True)
         torch.cuda.empty_cache()
     for case in decode:
         try:
             results.append(decode_case(*case, hbm_tb_s=args.hbm_tb_s))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001
             results.append({"kind": "decode", "name": case[0], "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(results[-1]), flush=True)
         torch.cuda.empty_cache()

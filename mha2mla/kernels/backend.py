@@ -16,9 +16,11 @@ import torch
 @functools.cache
 def triton_importable() -> bool:
     try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
+        import triton
+        import triton.language
+
+        del triton
+    except Exception:  # noqa: BLE001 -- any import failure means no Triton
         return False
     return True
 

@@ -96,12 +96,12 @@ def _decode_merge_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     lse_max = tl.full([], float("-inf"), dtype=tl.float32)
-    for split in range(0, num_splits):
+    for split in range(num_splits):
         lse_max = tl.maximum(lse_max, tl.load(LSE_PART + pid * num_splits + split))
     lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for split in range(0, num_splits):
+    for split in range(num_splits):
         lse_s = tl.load(LSE_PART + pid * num_splits + split)
         weight = tl.exp2(lse_s - lse_max_safe)  # 0 for an empty split
         part = tl.load(O_PART + (pid * num_splits + split) * rank + offs_r, mask=r_ok, other=0.0)
@@ -146,6 +146,7 @@ def mla_decode_latent_triton(
     max_len, d_rope = latent.shape[1], k_pe.shape[2]
     assert latent.shape == (batch, max_len, rank) and k_pe.shape[:2] == (batch, max_len), (latent.shape, k_pe.shape)
     assert q_pe.shape == (batch, heads, d_rope), (q_pe.shape, k_pe.shape)
+    assert q_lat.dtype == q_pe.dtype == latent.dtype == k_pe.dtype, "queries and cache must share one dtype"
     for t in (q_lat, q_pe, latent, k_pe):
         assert t.stride(-1) == 1, "the last dimension must be contiguous"
     block_h, block_n, num_warps = decode_blocks(heads, rank)

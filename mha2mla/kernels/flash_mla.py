@@ -365,7 +365,7 @@ def segment_bounds(q_segment_ids: torch.Tensor, k_segment_ids: torch.Tensor) -> 
 
 
 def _forward(q, k_nope, k_pe, v, scale, causal, segments, config: FlashMLAConfig):
-    batch, heads, q_len, d_qk = q.shape
+    batch, heads, q_len, _ = q.shape
     k_len, d_nope, d_rope, d_v = k_nope.shape[2], k_nope.shape[3], k_pe.shape[2], v.shape[3]
     q_nope, q_pe = q[..., :d_nope], q[..., d_nope:]  # views (B, H, Tq, d_n), (B, H, Tq, d_r)
     out = torch.empty(batch, q_len, heads, d_v, device=q.device, dtype=q.dtype).transpose(1, 2)  # (B, H, Tq, d_v)
@@ -413,8 +413,10 @@ def _backward(dout, q, k_nope, k_pe, v, out, lse, scale, causal, segments, confi
     q_seg, k_seg, first_key, last_query = segments
     has_segments = q_seg is not None
     dummy = lse
-    blocks = dict(BLOCK_DN=next_power_of_two(d_nope), BLOCK_DR=next_power_of_two(d_rope), BLOCK_DV=next_power_of_two(d_v))
-    common = dict(UPCAST=interpreting(), PRECISION=_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+    blocks = {"BLOCK_DN": next_power_of_two(d_nope), "BLOCK_DR": next_power_of_two(d_rope),
+              "BLOCK_DV": next_power_of_two(d_v)}
+    common = {"UPCAST": interpreting(), "PRECISION": _precision(q.dtype), "num_warps": config.num_warps,
+              "num_stages": config.num_stages}
 
     key_blocks = triton.cdiv(k_len, config.bwd_block_n)
     per_program = _heads_per_program(config, key_blocks, batch, heads, q.device)
@@ -490,6 +492,7 @@ def flash_mla_triton(
     assert k_nope.shape[:2] == (batch, heads) and v.shape[:3] == (batch, heads, k_len), (q.shape, k_nope.shape, v.shape)
     assert k_pe.shape[:2] == (batch, k_len) and d_qk == k_nope.shape[3] + k_pe.shape[2], (q.shape, k_nope.shape, k_pe.shape)
     assert q_len <= k_len, "queries must be the last Tq of the Tk key positions"
+    assert q.dtype == k_nope.dtype == k_pe.dtype == v.dtype, "q, k_nope, k_pe and v must share one dtype"
     q, k_nope, k_pe, v = (_last_dim_contiguous(t) for t in (q, k_nope, k_pe, v))
     config = config or default_config(d_qk, v.shape[3])
     q_seg = k_seg = first_key = last_query = None

@@ -76,7 +76,7 @@ def mla_decode(
     rotated k_pe] per token (only the first cache_seqlens[b] rows of sequence b are read),
     w_uk (H, d_n, r), w_uv (H, d_v, r) from ``absorbed.safetensors`` -> (B, H, d_v) in q_nope's dtype.
     Keys and values are never expanded per head: the query is absorbed into the latent space."""
-    heads, d_nope, rank = w_uk.shape
+    heads, _, rank = w_uk.shape
     assert latent_cache.shape[-1] == rank + q_pe.shape[-1], (latent_cache.shape, w_uk.shape, q_pe.shape)
     assert w_uv.shape[0] == heads and w_uv.shape[2] == rank, (w_uk.shape, w_uv.shape)
     latent, k_pe = reference.split_latent_cache(latent_cache, rank)  # views (B, T, r), (B, T, d_r)

@@ -71,7 +71,7 @@ def flash_mla_reference(
     """Reference MLA attention with a shared rope key. Computes in fp32, returns ``q.dtype``.
 
     ``segment_ids`` [B, Tk] are the key segments; query segments default to its last Tq entries."""
-    batch, heads, q_len, qk_dim = q.shape
+    q_len, qk_dim = q.shape[2], q.shape[3]
     d_nope = k_nope.shape[-1]
     k_len = k_nope.shape[2]
     assert qk_dim == d_nope + k_pe.shape[-1], (q.shape, k_nope.shape, k_pe.shape)
