@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import typer
@@ -74,6 +75,8 @@ def recover_command(
         raise UserError(f"invalid {where.replace('_', '-')}: {first['msg']}.") from None
     quiet = logging.getLogger().level > logging.INFO
     report = recover(config, resume=resume, show_progress=not (no_progress or quiet))
+    if os.environ.get("RANK", "0") != "0":  # under accelerate launch / torchrun only the main process reports
+        return
     summary = {key: report[key] for key in ("steps", "tokens_trained", "final_loss", "tokens_per_second")}
     if report["evaluations"]:
         summary["perplexity_before"] = report["evaluations"][0]["perplexity"]

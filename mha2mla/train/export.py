@@ -38,16 +38,16 @@ def stored_dtype(model_folder: Path) -> torch.dtype:
 def model_card(source_folder: Path, settings: dict, report: dict) -> str:
     """The input's model card (if any) with a section on this recovery run appended."""
     source_card = Path(source_folder) / "README.md"
-    card = source_card.read_text(encoding="utf-8").rstrip() + "\n\n" if source_card.is_file() else (
-        "---\nlibrary_name: transformers\ntags: [mha2mla, mla, deepseek_v3]\n---\n\n"
-        "# MLA model recovered with mha2mla\n\n"
-    )
+    default_card = "---\nlibrary_name: transformers\ntags: [mha2mla, mla, deepseek_v3]\n---\n\n# MLA model recovered with mha2mla\n\n"
+    card = source_card.read_text(encoding="utf-8").rstrip() + "\n\n" if source_card.is_file() else default_card
     evaluations = report.get("evaluations") or []
     lines = [
         "## Recovery fine-tuning (`mha2mla recover`)",
         "",
-        f"Recovered from `{settings['model']}` on {report['tokens_trained']:,} training tokens "
-        f"({report['steps']} optimizer steps, {report['seconds']:.0f} s, {report['tokens_per_second']:.0f} tokens/s).",
+        (
+            f"Recovered from `{settings['model']}` on {report['tokens_trained']:,} training tokens "
+            f"({report['steps']} optimizer steps, {report['seconds']:.0f} s, {report['tokens_per_second']:.0f} tokens/s)."
+        ),
         "",
         "| held-out perplexity | value |",
         "|---|---|",
