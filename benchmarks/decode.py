@@ -116,7 +116,7 @@ def _hf_cache_from_latent(latent_cache, config):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
-    tokens = int(latent_cache.lengths.max())
+    tokens = latent_cache.max_length
     r = latent_cache.kv_lora_rank
     for layer in range(latent_cache.num_layers):
         stored = latent_cache.layer(layer)[:, :tokens]  # (B, T, r + d_r)

@@ -181,3 +181,29 @@ def test_cli_without_absorbed_weights_says_so(tmp_path, capsys):
     assert "no absorbed weights" in out.err and "Traceback" not in out.err
     with pytest.raises(UserError):
         MLAEngine.from_pretrained(tmp_path)
+
+
+def test_kernel_decode_attention_equals_torch(checkpoint, monkeypatch):
+    """The engine's call into mha2mla.kernels' split-KV decode (Triton's interpreter on CPU) gives the
+    logits of the plain PyTorch absorbed attention, on a ragged batch."""
+    import mha2mla.kernels.decode as triton_decode
+    from mha2mla.kernels.backend import choose_backend
+
+    calls = []
+    real = triton_decode.mla_decode_latent_triton
+    monkeypatch.setattr(triton_decode, "mla_decode_latent_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    folder, _, engine = checkpoint
+    kernel_engine = MLAEngine.from_pretrained(folder, decode_attention="kernel")
+    expected = engine.generate(PROMPTS, max_new_tokens=6, eos_token_ids=[], return_logits=True)
+    got = kernel_engine.generate(PROMPTS, max_new_tokens=6, eos_token_ids=[], return_logits=True)
+    if choose_backend(torch.zeros(1)) == "triton":  # TRITON_INTERPRET=1 without a GPU (tests/conftest.py)
+        assert len(calls) == 5 * engine.config.num_hidden_layers  # every decode step of every layer
+    for a, b in zip(got, expected):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
+
+
+def test_unknown_decode_attention_is_a_user_error(checkpoint):
+    folder, _, _ = checkpoint
+    with pytest.raises(UserError):
+        MLAEngine.from_pretrained(folder, decode_attention="flash")

@@ -17,7 +17,6 @@ Logits equal transformers' ``DeepseekV3ForCausalLM`` on the same checkpoint (tes
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -29,10 +28,14 @@ import torch.nn.functional as F
 
 from mha2mla import UserError
 from mha2mla.modeling.absorbed import load_absorbed, softmax_scale, split_kv_b
-from mha2mla.modeling.latent_cache import LatentCache, absorbed_decode_attention_torch
+from mha2mla.modeling.latent_cache import (
+    LatentCache,
+    absorbed_decode_attention_kernel,
+    absorbed_decode_attention_torch,
+)
 
-ABSORBED_KERNEL_MODULE = "mha2mla.kernels.decode"  # the Triton split-KV absorbed decode kernel (DESIGN §5)
-ABSORBED_KERNEL_FUNCTION = "absorbed_decode"
+ABSORBED_KERNEL_MODULE = "mha2mla.kernels.ops"  # mla_decode_latent: the split-KV absorbed decode (DESIGN §5)
+DECODE_ATTENTION = ("auto", "torch", "kernel")
 LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm with its default eps, not rms_norm_eps
 
 StreamCallback = Callable[[int, str], None]  # (row, new text)
@@ -224,7 +227,7 @@ class _IncrementalDetokenizer:
 class MLAEngine:
     def __init__(self, config, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
                  lm_head: torch.Tensor, device: torch.device, dtype: torch.dtype, tokenizer=None,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), decode_attention: str = "auto"):
         self.config = config
         self.embed = embed  # (V, D)
         self.layers = layers
@@ -242,16 +245,18 @@ class MLAEngine:
         self.scale = softmax_scale(config)
         self.rope = _Rope(config, device)
         self.act = _activation(config.hidden_act)
-        self._decode_attention = _decode_attention_for(device)
+        self._decode_attention = _decode_attention_for(device, decode_attention)
 
     # -- loading --------------------------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | str | None = None, load_tokenizer: bool = True) -> "MLAEngine":
+                        dtype: torch.dtype | str | None = None, load_tokenizer: bool = True,
+                        decode_attention: str = "auto") -> "MLAEngine":
         """Load a converted checkpoint folder (config, safetensors, absorbed weights, tokenizer).
 
-        dtype defaults to float32 on CPU and bfloat16 on CUDA."""
+        dtype defaults to float32 on CPU and bfloat16 on CUDA. decode_attention: "torch" (plain PyTorch),
+        "kernel" (mha2mla.kernels' split-KV decode), or "auto" (the kernel on CUDA, PyTorch on CPU)."""
         from transformers import AutoConfig
 
         folder = Path(folder)
@@ -327,7 +332,7 @@ class MLAEngine:
             except (OSError, ValueError):
                 tokenizer = None
         eos = _eos_ids(folder, config, tokenizer)
-        return cls(config, embed, layers, final_norm, lm_head, device, dtype, tokenizer, eos)
+        return cls(config, embed, layers, final_norm, lm_head, device, dtype, tokenizer, eos, decode_attention)
 
     # -- cache ---------------------------------------------------------------------------------------------
 
@@ -362,10 +367,11 @@ class MLAEngine:
         return the logits at each prompt's last token, (B, V) fp32."""
         if len(prompts) != cache.batch_size:
             raise ValueError(f"{len(prompts)} prompts for a cache of {cache.batch_size} rows")
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-        if int(lengths.min()) < 1:
+        prompt_lengths = [len(p) for p in prompts]
+        if min(prompt_lengths) < 1:
             raise UserError("every prompt needs at least one token.")
-        B, T = len(prompts), int(lengths.max())
+        lengths = torch.tensor(prompt_lengths, dtype=torch.long, device=self.device)
+        B, T = len(prompts), max(prompt_lengths)
         H, d_n, d_r, d_v = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
         ids = torch.zeros(B, T, dtype=torch.long, device=self.device)  # right padding; causal attention keeps
         for row, prompt in enumerate(prompts):  # padding out of every real token's view
@@ -389,7 +395,7 @@ class MLAEngine:
             attn = attn.transpose(1, 2).reshape(B, T, H * d_v)
             hidden = hidden + _linear(attn, w.o_proj, w.o_bias)
             hidden = hidden + self._mlp(w, _rms_norm(hidden, w.post_attention_norm, self.config.rms_norm_eps))
-        cache.lengths.copy_(lengths)
+        cache.set_lengths(prompt_lengths)
         last = hidden[torch.arange(B, device=self.device), lengths - 1]  # (B, D)
         return self._logits(last)
 
@@ -399,7 +405,7 @@ class MLAEngine:
         B = cache.batch_size
         H, d_n, d_r, d_v, r = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank
         positions = cache.lengths  # (B,) position of the new token in each row
-        lengths_after = positions + 1
+        lengths_after, max_after = positions + 1, cache.max_length + 1
         cos, sin = self.rope.cos_sin(positions, self.dtype)  # (B, d_r/2)
         hidden = F.embedding(tokens.to(self.device), self.embed)  # (B, D)
         for index, w in enumerate(self.layers):
@@ -412,11 +418,11 @@ class MLAEngine:
             cache.write_step(index, latent, rope_key)
             q_latent = torch.matmul(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # (B, H, r) = W_UK^T q_nope
             query = torch.cat([q_latent, q_pe], dim=-1)  # (B, H, r + d_r)
-            out_latent = self._decode_attention(query, cache.layer(index), lengths_after, r, self.scale)  # (B, H, r)
+            out_latent = self._decode_attention(query, cache.layer(index), lengths_after, max_after, r, self.scale)  # (B, H, r)
             out = torch.matmul(out_latent.transpose(0, 1), w.w_uv_t).transpose(0, 1)  # (B, H, d_v)
             hidden = hidden + _linear(out.reshape(B, H * d_v), w.o_proj, w.o_bias)
             hidden = hidden + self._mlp(w, _rms_norm(hidden, w.post_attention_norm, self.config.rms_norm_eps))
-        cache.lengths.copy_(lengths_after)
+        cache.advance()
         return self._logits(hidden)
 
     # -- generation ------------------------------------------------------------------------------------------
@@ -512,19 +518,24 @@ def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
 
 
-def _decode_attention_for(device: torch.device):
-    """The absorbed decode attention for a device: plain PyTorch on CPU; on CUDA the Triton split-KV kernel
-    of mha2mla.kernels when it is installed, else plain PyTorch (stated, never silent)."""
-    if device.type != "cuda":
+def _decode_attention_for(device: torch.device, choice: str = "auto"):
+    """The absorbed decode attention: plain PyTorch on CPU; on CUDA the split-KV Triton kernel of
+    mha2mla.kernels (a warning, and PyTorch, if that package is missing). "kernel" insists on the kernel
+    module (on CPU tensors it then runs in Triton's interpreter when TRITON_INTERPRET=1, else its reference)."""
+    if choice not in DECODE_ATTENTION:
+        raise UserError(f"decode attention {choice!r} is not one of {', '.join(DECODE_ATTENTION)}.")
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         return absorbed_decode_attention_torch
     if importlib.util.find_spec(ABSORBED_KERNEL_MODULE) is None:
+        if choice == "kernel":
+            raise UserError(f"{ABSORBED_KERNEL_MODULE} is not installed; use decode attention 'torch'.")
         import logging
 
         logging.getLogger(__name__).warning(
             "%s is not available; decoding with the PyTorch absorbed attention on CUDA.", ABSORBED_KERNEL_MODULE
         )
         return absorbed_decode_attention_torch
-    return getattr(importlib.import_module(ABSORBED_KERNEL_MODULE), ABSORBED_KERNEL_FUNCTION)
+    return absorbed_decode_attention_kernel
 
 
 def _eos_ids(folder: Path, config, tokenizer) -> list[int]:

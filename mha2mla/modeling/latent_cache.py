@@ -19,6 +19,7 @@ class LatentCache:
     data: torch.Tensor  # (L, B, T_max, r + d_r)
     lengths: torch.Tensor  # (B,) int64, valid positions per row
     kv_lora_rank: int  # r
+    max_length: int = 0  # host copy of lengths.max(): no device sync per layer on a GPU
 
     @classmethod
     def allocate(
@@ -59,6 +60,15 @@ class LatentCache:
     def layer(self, layer: int) -> torch.Tensor:
         return self.data[layer]  # (B, T_max, r + d_r)
 
+    def set_lengths(self, lengths: list[int]) -> None:
+        self.lengths.copy_(torch.as_tensor(lengths, dtype=torch.long))
+        self.max_length = max(lengths)
+
+    def advance(self) -> None:
+        """Every row gained one token (after a decode step has written all layers)."""
+        self.lengths += 1
+        self.max_length += 1
+
     def write_prefill(self, layer: int, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
         """Store a right-padded prefill chunk at positions ``0..T-1`` of every row.
 
@@ -74,7 +84,7 @@ class LatentCache:
 
     def write_step(self, layer: int, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
         """Store one new token per row at position ``lengths[b]``. latent (B, r), rope_key (B, d_r)."""
-        if int(self.lengths.max()) >= self.max_tokens:
+        if self.max_length >= self.max_tokens:
             raise ValueError(f"the latent cache is full ({self.max_tokens} tokens)")
         rows = torch.arange(self.batch_size, device=self.data.device)
         self.data[layer, rows, self.lengths] = torch.cat([latent, rope_key], dim=-1).to(self.data.dtype)
@@ -85,19 +95,21 @@ class LatentCache:
             data=self.data.repeat_interleave(times, dim=1),
             lengths=self.lengths.repeat_interleave(times),
             kv_lora_rank=self.kv_lora_rank,
+            max_length=self.max_length,
         )
 
 
 def absorbed_decode_attention_torch(
-    query: torch.Tensor, cache_layer: torch.Tensor, lengths: torch.Tensor, kv_lora_rank: int, scale: float
+    query: torch.Tensor, cache_layer: torch.Tensor, lengths: torch.Tensor, max_length: int, kv_lora_rank: int,
+    scale: float,
 ) -> torch.Tensor:
     """Absorbed attention of one new token per row over the latent cache, in plain PyTorch.
 
-    query (B, H, r + d_r): ``[W_UK^T q_nope ; q_pe]`` per head; cache_layer (B, T, r + d_r) with at least
-    ``max(lengths)`` positions; lengths (B,) valid positions per row (the new token already written).
+    query (B, H, r + d_r): ``[W_UK^T q_nope ; q_pe]`` per head; cache_layer (B, T_max, r + d_r); lengths (B,)
+    valid positions per row (the new token already written), max_length = max(lengths).
     Returns o_lat (B, H, r) = sum_t softmax_t(scale * query . cache[t]) c[t]; W_UV is applied by the caller.
     """
-    tokens = int(lengths.max())
+    tokens = max_length
     keys = cache_layer[:, :tokens]  # (B, T, r + d_r)
     scores = torch.matmul(query, keys.transpose(1, 2)).float() * scale  # (B, H, T)
     positions = torch.arange(tokens, device=query.device)
@@ -105,3 +117,19 @@ def absorbed_decode_attention_torch(
     scores = scores.masked_fill(invalid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)  # (B, H, T)
     return torch.matmul(probs, keys[..., :kv_lora_rank])  # (B, H, r)
+
+
+def absorbed_decode_attention_kernel(
+    query: torch.Tensor, cache_layer: torch.Tensor, lengths: torch.Tensor, max_length: int, kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """The same contract as :func:`absorbed_decode_attention_torch`, computed by the split-KV decode of
+    ``mha2mla.kernels`` (Triton on CUDA tensors, or in Triton's interpreter when TRITON_INTERPRET=1)."""
+    from mha2mla.kernels.ops import mla_decode_latent
+
+    keys = cache_layer[:, :max_length]  # (B, T, r + d_r)
+    out_latent, _ = mla_decode_latent(
+        query[..., :kv_lora_rank], query[..., kv_lora_rank:], keys[..., :kv_lora_rank], keys[..., kv_lora_rank:],
+        lengths, scale,
+    )  # (B, H, r) fp32
+    return out_latent.to(query.dtype)
