@@ -1,0 +1,154 @@
+"""`mha2mla convert` / `inspect` from the command line, and bad input: one clear sentence, a
+non-zero exit and no output folder left behind."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common import build_source
+from mha2mla.cli.main import main
+
+
+def run_cli(args, capsys):
+    capsys.readouterr()  # discard what fixtures printed
+    old_argv = sys.argv
+    sys.argv = ["mha2mla", *map(str, args)]
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    finally:
+        sys.argv = old_argv
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return build_source(tmp_path_factory.mktemp("src") / "llama", "llama", num_heads=4, num_kv_heads=2)
+
+
+def leftovers(folder):
+    return [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def test_convert_and_inspect(source, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, _ = run_cli(["convert", source, out, "--kv-budget", "0.25", "--no-progress"], capsys)
+    assert code == 0 and "KV cache per token" in stdout
+    assert (out / "config.json").exists()
+    code, stdout, _ = run_cli(["inspect", source, "--json"], capsys)
+    info = json.loads(stdout)
+    assert code == 0 and info["family"] == "llama" and info["kv_heads"] == 2 and info["attention"] == "GQA"
+    code, stdout, _ = run_cli(["inspect", out], capsys)
+    assert code == 0 and "deepseek_v3" in stdout
+
+
+def test_recipe_sets_options_and_rejects_unknown_keys(source, tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"source: {source}\nconvert:\n  profile: exact\n  kv_lora_rank: 17\n  rope_dim: 8\n")
+    out = tmp_path / "out"
+    code, _, err = run_cli(["convert", out, "--recipe", recipe, "--no-progress"], capsys)
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["kv_lora_rank"] == 17 and config["qk_rope_head_dim"] == 8 and config["attention_bias"]
+    recipe.write_text("convert:\n  kv_lora_rnk: 17\n")
+    code, _, err = run_cli(["convert", source, tmp_path / "out2", "--recipe", recipe], capsys)
+    assert code == 2 and "kv_lora_rnk" in err and not (tmp_path / "out2").exists()
+
+
+def _assert_clean_failure(code, err, out, needle):
+    assert code != 0
+    message = err.strip().splitlines()
+    assert len(message) == 1 and message[0].startswith("error: "), err
+    assert needle in message[0]
+    assert "Traceback" not in err
+    assert not out.exists()
+    assert leftovers(out.parent) == []
+
+
+def test_unknown_architecture(tmp_path, capsys):
+    src = build_source(tmp_path / "gpt2ish", "llama")
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["GPTNeoXForCausalLM"], "gpt_neox"
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", src, out], capsys)
+    _assert_clean_failure(code, err, out, "LlamaForCausalLM")
+
+
+def test_missing_weights(tmp_path, capsys):
+    src = build_source(tmp_path / "src", "llama")
+    (src / "model.safetensors").unlink()
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", src, out], capsys)
+    _assert_clean_failure(code, err, out, "model.safetensors")
+
+
+def test_truncated_weights(tmp_path, capsys):
+    src = build_source(tmp_path / "src", "llama")
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[: len(data) - 5000])
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", src, out], capsys)
+    _assert_clean_failure(code, err, out, "truncated")
+
+
+def test_nan_weights(tmp_path, capsys):
+    src = build_source(tmp_path / "src", "llama")
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.1.self_attn.v_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", src, out, "--no-progress"], capsys)
+    _assert_clean_failure(code, err, out, "NaN")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--kv-budget", "0.03"], "raise --kv-budget"),  # 2 values/token/layer: nothing beside the rope dims
+        (["--kv-lora-rank", "8", "--rope-dim", "7"], "--rope-dim"),
+        (["--kv-lora-rank", "8", "--rope-dim", "32"], "--rope-dim"),
+        (["--kv-lora-rank", "8", "--rope-dim", "6", "--rope-frequencies", "stride"], "divide"),
+        (["--kv-lora-rank", "8"], "--rope-dim"),
+        (["--kv-budget", "1.5"], "kv_budget"),
+        (["--profile", "fast"], "profile"),
+    ],
+)
+def test_bad_sizes(source, tmp_path, capsys, args, needle):
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", source, out, *args], capsys)
+    _assert_clean_failure(code, err, out, needle)
+
+
+def test_existing_out_is_refused_without_force(source, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run_cli(["convert", source, out, "--no-progress"], capsys)
+    assert code != 0 and "--force" in err and (out / "keep.txt").read_text() == "mine"
+    code, _, err = run_cli(["convert", source, out, "--no-progress", "--force"], capsys)
+    assert code == 0 and not (out / "keep.txt").exists() and (out / "config.json").exists()
+
+
+def test_missing_source(tmp_path, capsys):
+    code, _, err = run_cli(["convert", tmp_path / "nope", tmp_path / "out"], capsys)
+    assert code != 0 and "does not exist" in err and not (tmp_path / "out").exists()
+
+
+def test_version(capsys):
+    code, stdout, _ = run_cli(["--version"], capsys)
+    assert code == 0 and "mha2mla" in stdout
+    assert torch.__version__
