@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mha2mla.modeling.engine import MLAEngine  # noqa: E402
+from mha2mla.modeling.engine import MLAEngine
 
 
 def _dynamic_cache_bytes(cache) -> int:

@@ -6,12 +6,12 @@ import sys
 
 import pytest
 import torch
+from common import tiny_deepseek_config, tiny_tokenizer
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from mha2mla import UserError
 from mha2mla.modeling.absorbed import write_absorbed
 from mha2mla.modeling.engine import MLAEngine, sample_next
-from common import tiny_deepseek_config, tiny_tokenizer
 
 CONFIGS = {
     "plain": {},
@@ -122,7 +122,7 @@ def test_eos_stops_only_its_row(checkpoint):
 
 def test_sampling_is_reproducible_with_a_seed(checkpoint):
     _, _, engine = checkpoint
-    kwargs = dict(max_new_tokens=24, temperature=1.5, top_p=0.95, eos_token_ids=[])
+    kwargs = {"max_new_tokens": 24, "temperature": 1.5, "top_p": 0.95, "eos_token_ids": []}
     first = engine.generate(PROMPTS, seed=123, **kwargs)
     again = engine.generate(PROMPTS, seed=123, **kwargs)
     other = engine.generate(PROMPTS, seed=124, **kwargs)

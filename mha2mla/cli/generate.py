@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
@@ -10,16 +11,18 @@ from mha2mla import UserError
 
 
 def generate(
-    model: str = typer.Argument(..., help="A converted DeepSeek-V3 MLA folder (with absorbed.safetensors)."),
-    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate per prompt."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
-    seed: int = typer.Option(None, "--seed", help="Seed for sampling."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
-    dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the tokenizer's chat template."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens tokens."),
+    model: Annotated[str, typer.Argument(help="A converted DeepSeek-V3 MLA folder (with absorbed.safetensors).")],
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for a batch.")],
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (with --temperature > 0).")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).")
+    ] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the tokenizer's chat template.")] = False,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Always generate --max-new-tokens tokens.")] = False,
 ) -> None:
     """Generate text from a converted model, decoding from the latent cache (streamed for a single prompt)."""
     import torch

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,7 @@ class _CheckpointReader:
         for name in files:
             handle = safe_open(str(folder / name), framework="pt")
             self._handles.append(handle)
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 self._where[key] = handle
 
     def __contains__(self, name: str) -> bool:
@@ -236,7 +236,7 @@ class MLAEngine:
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer
-        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
+        self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.num_heads = config.num_attention_heads
         self.kv_lora_rank = config.kv_lora_rank
         self.rope_dim = config.qk_rope_head_dim
@@ -252,7 +252,7 @@ class MLAEngine:
     @classmethod
     def from_pretrained(cls, folder: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | str | None = None, load_tokenizer: bool = True,
-                        decode_attention: str = "auto") -> "MLAEngine":
+                        decode_attention: str = "auto") -> MLAEngine:
         """Load a converted checkpoint folder (config, safetensors, absorbed weights, tokenizer).
 
         dtype defaults to float32 on CPU and bfloat16 on CUDA. decode_attention: "torch" (plain PyTorch),
@@ -561,4 +561,4 @@ def cache_bytes_per_token(config, dtype: torch.dtype) -> int:
     return (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers * element
 
 
-__all__ = ["MLAEngine", "Generation", "LatentCache", "sample_next", "cache_bytes_per_token"]
+__all__ = ["Generation", "LatentCache", "MLAEngine", "cache_bytes_per_token", "sample_next"]

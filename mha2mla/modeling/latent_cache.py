@@ -31,7 +31,7 @@ class LatentCache:
         rope_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
-    ) -> "LatentCache":
+    ) -> LatentCache:
         data = torch.zeros(num_layers, batch_size, max_tokens, kv_lora_rank + rope_dim, dtype=dtype, device=device)
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         return cls(data=data, lengths=lengths, kv_lora_rank=kv_lora_rank)
@@ -89,7 +89,7 @@ class LatentCache:
         rows = torch.arange(self.batch_size, device=self.data.device)
         self.data[layer, rows, self.lengths] = torch.cat([latent, rope_key], dim=-1).to(self.data.dtype)
 
-    def repeat_rows(self, times: int) -> "LatentCache":
+    def repeat_rows(self, times: int) -> LatentCache:
         """A cache of ``B * times`` rows, each row repeated ``times`` times (benchmarks use it to skip prefills)."""
         return LatentCache(
             data=self.data.repeat_interleave(times, dim=1),
