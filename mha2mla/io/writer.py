@@ -1,58 +1,103 @@
-"""Sharded safetensors writer capped in bytes per shard, with the Hugging Face index json."""
+"""Sharded safetensors writer, capped in bytes per shard, with the Hugging Face index json.
+
+Tensors are streamed to a spool file as they arrive (memory stays near one tensor, whatever the
+model size); :meth:`ShardedWriter.finish` lays the shards out from the spool: each shard is the
+safetensors header (8-byte little-endian length + JSON, padded to 8 bytes) followed by the raw
+tensor bytes in the order they were added.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
+SPOOL_FILE = ".tensors.spool"
+
+_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+@dataclass
+class _Entry:
+    name: str
+    dtype: str
+    shape: list[int]
+    spool_offset: int
+    nbytes: int
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The raw little-endian bytes of a tensor (bf16 through an int16 view, which numpy lacks)."""
+    tensor = tensor.detach().contiguous().cpu()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().tobytes()
 
 
 class ShardedWriter:
-    """Collects tensors and flushes a shard whenever ``max_shard_bytes`` would be exceeded.
-
-    Shards are written under provisional names and renamed to ``model-0000i-of-0000N.safetensors``
-    by :meth:`finish`, which also writes the index (a single shard is named ``model.safetensors``).
-    """
+    """``add`` tensors one by one; ``finish`` writes ``model.safetensors`` (one shard) or
+    ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``."""
 
     def __init__(self, folder: str | Path, max_shard_bytes: int = 2 * 1024**3):
         self.folder = Path(folder)
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
+        self._spool = open(self.folder / SPOOL_FILE, "wb")
+        self._shards: list[list[_Entry]] = [[]]
+        self._shard_bytes = 0
+        self._names: set[str] = set()
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        assert name not in self._pending, f"duplicate tensor {name}"
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.detach().contiguous().cpu()
-        self._pending_bytes += nbytes
-        self.total_bytes += nbytes
+        assert name not in self._names, f"duplicate tensor {name}"
+        data = tensor_bytes(tensor)
+        if self._shards[-1] and self._shard_bytes + len(data) > self.max_shard_bytes:
+            self._shards.append([])
+            self._shard_bytes = 0
+        entry = _Entry(name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape), self._spool.tell(), len(data))
+        self._spool.write(data)
+        self._shards[-1].append(entry)
+        self._shard_bytes += len(data)
+        self._names.add(name)
+        self.total_bytes += len(data)
 
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        index = len(self._shards)
-        save_file(self._pending, str(self.folder / f"shard-{index}.tmp"), metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+    def _write_shard(self, entries: list[_Entry], path: Path, spool) -> None:
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for entry in entries:
+            header[entry.name] = {"dtype": entry.dtype, "shape": entry.shape, "data_offsets": [offset, offset + entry.nbytes]}
+            offset += entry.nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        with open(path, "wb") as out:
+            out.write(len(encoded).to_bytes(8, "little"))
+            out.write(encoded)
+            for entry in entries:
+                spool.seek(entry.spool_offset)
+                remaining = entry.nbytes
+                while remaining:
+                    chunk = spool.read(min(remaining, 64 * 1024**2))
+                    out.write(chunk)
+                    remaining -= len(chunk)
 
     def finish(self) -> list[str]:
-        self._flush()
-        count = len(self._shards)
+        self._spool.close()
+        shards = [entries for entries in self._shards if entries]
+        count = len(shards)
         names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         weight_map = {}
-        for i, (tensor_names, filename) in enumerate(zip(self._shards, names)):
-            os.replace(self.folder / f"shard-{i}.tmp", self.folder / filename)
-            weight_map.update({name: filename for name in tensor_names})
+        with open(self.folder / SPOOL_FILE, "rb") as spool:
+            for entries, filename in zip(shards, names):
+                self._write_shard(entries, self.folder / filename, spool)
+                weight_map.update({entry.name: filename for entry in entries})
+        os.remove(self.folder / SPOOL_FILE)
         if count > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         return names
+
