@@ -101,6 +101,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str 
     torch_dtype = resolve_dtype(dtype)
     spec = str(spec)
     path = assets.default_model_gguf() if spec == "default" else Path(spec).expanduser()
+    path = path.resolve() if path.exists() else path
     if path.is_file():
         if path.suffix != ".gguf":
             raise UserError(f"{path} is a file but not a .gguf model; pass a model folder or a .gguf file.")

@@ -235,8 +235,10 @@ def plot_perplexity_vs_kv(results: list[dict], path: Path) -> Path | None:
     ]
     if len(results) < 2 or not ppl_tasks:
         return None
+    baseline = next((r for r in results if r["role"] == "source"), None)
+    base_kv = baseline["measurements"]["kv_cache_values_per_token"] if baseline else None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, task in enumerate(ppl_tasks):
         points = sorted(
             (r["measurements"]["kv_cache_values_per_token"], r["tasks"][task]["word_perplexity"], r["name"])
@@ -245,12 +247,22 @@ def plot_perplexity_vs_kv(results: list[dict], path: Path) -> Path | None:
         )
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{i}", label=task)
         for x, y, name in points:
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            label = f"{name} ({x / base_kv:.3g}× KV)" if base_kv else name
+            right = x == points[-1][0] and len(points) > 1  # the rightmost label grows leftwards
+            ax.annotate(
+                label,
+                (x, y),
+                textcoords="offset points",
+                xytext=(-4 if right else 4, 4),
+                ha="right" if right else "left",
+                fontsize=7,
+            )
     values = [
         p for r in results for t in ppl_tasks for p in [r["tasks"].get(t, {}).get("word_perplexity")] if p
     ]
     if values and max(values) / min(values) > 20:
         ax.set_yscale("log")
+    ax.margins(x=0.1)
     ax.set_xlabel("KV cache values per token (all layers)")
     ax.set_ylabel("word perplexity (lower is better)")
     ax.set_title("perplexity against KV-cache budget", fontsize=10)
