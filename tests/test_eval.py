@@ -243,6 +243,41 @@ def test_bundled_mmlu_items_are_well_formed_and_reproducible():
     assert parse_item("x", "No choices here", "The answer is (A).") is None
 
 
+def _fake_result(name, role, kv, ppl, acc):
+    return {
+        "name": name,
+        "path": f"/models/{name}",
+        "role": role,
+        "shown": ["kjv_ppl", "mmlu_dev_mc"],
+        "tasks": {
+            "kjv_ppl": {"word_perplexity": ppl, "bits_per_byte": 1.0},
+            "mmlu_dev_mc": {"acc": acc, "acc_stderr": 0.1},
+        },
+        "measurements": {
+            "kv_cache_values_per_token": kv,
+            "kv_cache_bytes_per_token": 2 * kv,
+            "dtype": "bfloat16",
+        },
+    }
+
+
+def test_table_and_plots_for_several_models(tmp_path):
+    from mha2mla.evaluation.report import write_report
+
+    results = [
+        _fake_result("source", "source", 1000, 20.0, 0.30),
+        _fake_result("converted", "model", 125, 40.0, 0.25),
+        _fake_result("recovered", "model", 125, 25.0, 0.28),
+    ]
+    report = write_report(results, {"seed": 1}, tmp_path)
+    lines = report["markdown"].splitlines()
+    assert lines[0] == "| task | metric | source | converted | Δ converted | recovered | Δ recovered |"
+    assert lines[2] == "| kjv_ppl | word_perplexity | 20 | 40 | +20 (×2) | 25 | +5 (×1.25) |"
+    assert lines[4] == "| mmlu_dev_mc | acc | 0.3 | 0.25 | -0.05 | 0.28 | -0.02 |"
+    assert set(report["plots"]) == {"tasks", "perplexity_vs_kv"}  # no conversion report given
+    assert json.loads((tmp_path / "results.json").read_text())["settings"] == {"seed": 1}
+
+
 def test_missing_or_malformed_conversion_report_is_skipped(tmp_path):
     from mha2mla.evaluation.compare import read_conversion_report
     from mha2mla.evaluation.report import plot_conversion_error

@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+import lm_eval
 import torch
 
 from mha2mla import UserError, __version__
@@ -134,9 +135,9 @@ def run_eval(
     check_tasks(task_names, manager)  # fail on a bad task name before loading any model
     device = device or default_device()
     results = []
-    for spec, role in specs:
+    for index, (spec, role) in enumerate(specs, start=1):
         loaded = load_model(spec, dtype=dtype, device=device)
-        log.info("evaluating %s on %s", loaded.name, ", ".join(task_names))
+        log.info("[%d/%d] evaluating %s on %s", index, len(specs), loaded.name, ", ".join(task_names))
         results.append(
             evaluate_loaded(
                 loaded,
@@ -161,6 +162,6 @@ def run_eval(
         "dtype": dtype,
         "include_path": str(manager.include_path),
         "mha2mla_version": __version__,
-        "lm_eval_version": __import__("lm_eval").__version__,
+        "lm_eval_version": lm_eval.__version__,
     }
     return write_report(results, settings, Path(out))

@@ -245,7 +245,14 @@ def plot_perplexity_vs_kv(results: list[dict], path: Path) -> Path | None:
             for r in results
             if "word_perplexity" in r["tasks"].get(task, {})
         )
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{i}", label=task)
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="o",
+            linestyle="none",
+            color=f"C{i}",
+            label=task,
+        )
         for x, y, name in points:
             label = f"{name} ({x / base_kv:.3g}× KV)" if base_kv else name
             right = x == points[-1][0] and len(points) > 1  # the rightmost label grows leftwards
