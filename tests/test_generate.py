@@ -207,3 +207,15 @@ def test_unknown_decode_attention_is_a_user_error(checkpoint):
     folder, _, _ = checkpoint
     with pytest.raises(UserError):
         MLAEngine.from_pretrained(folder, decode_attention="flash")
+
+
+def test_bfloat16_engine_stays_close_to_float32(checkpoint):
+    folder, _, engine = checkpoint
+    low = MLAEngine.from_pretrained(folder, dtype=torch.bfloat16)
+    cache_32, cache_16 = engine.new_cache(len(PROMPTS), 16), low.new_cache(len(PROMPTS), 16)
+    logits_32, logits_16 = engine.prefill(cache_32, PROMPTS), low.prefill(cache_16, PROMPTS)
+    for _ in range(4):
+        assert logits_16.dtype == torch.float32 and cache_16.data.dtype == torch.bfloat16
+        torch.testing.assert_close(logits_16, logits_32, atol=0.25, rtol=0)  # logits of several units
+        tokens = logits_32.argmax(-1)
+        logits_32, logits_16 = engine.decode(cache_32, tokens), low.decode(cache_16, tokens)
