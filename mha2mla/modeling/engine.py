@@ -460,7 +460,10 @@ class MLAEngine:
         generator = None
         if temperature > 0:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
+            if seed is None:
+                generator.seed()  # non-deterministic, without touching torch's global generator
+            else:
+                generator.manual_seed(seed)
         cache = self.new_cache(len(encoded), max(len(ids) for ids in encoded) + max_new_tokens)
         detok = _IncrementalDetokenizer(self.tokenizer, len(encoded)) if self.tokenizer is not None else None
         step_logits: list[list[torch.Tensor]] = [[] for _ in encoded]
