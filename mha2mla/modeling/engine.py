@@ -450,6 +450,8 @@ class MLAEngine:
         Greedy when temperature is 0, else sampling with temperature and top-p from a generator seeded with
         ``seed``. A row stops at its first EOS token (kept in ``tokens``, not in ``text``). ``stream(row, text)``
         receives each row's new text as it is produced."""
+        if not prompts:
+            raise UserError("give at least one prompt.")
         if max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1.")
         if not 0.0 < top_p <= 1.0:
