@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mha2mla.convert.lowrank import joint_low_rank
-from mha2mla.convert.norm import expected_rms, neutralised_norm
-from mha2mla.convert.rope import head_mixing, interleaved_order, pair_rows
+from mha2mla.convert.calibration import calibrated_norm
+from mha2mla.convert.norm import neutralised_norm
+from mha2mla.convert.rope import interleaved_order, pair_rows, rope_coefficients, second_moment
 
 
 @dataclass
@@ -28,6 +29,7 @@ class LayerStatistics:
     input_covariance: torch.Tensor | None = None  # (D, D)
     input_mean: torch.Tensor | None = None  # (D,)
     num_tokens: int = 0
+    input_sample: torch.Tensor | None = None  # (n, D) some of the tokens' x, for per-token statistics
 
 
 @dataclass
@@ -54,6 +56,10 @@ class AttentionPlan:
     dtype: torch.dtype = torch.float32
     balance: bool = True
     use_q_lora: bool = False  # exact profile with a q bias: q through q_a_proj (bias) + neutralised norm
+    # methods (docs/calibration.md); with no statistics every method is weight-only
+    rope_mixing: str = "activation"  # weight | activation | query  (rope.py)
+    lowrank: str = "pca"  # svd | pca | whiten | score  (lowrank.py)
+    norm_calibration: str = "rms"  # portable kv_a_layernorm: rms | mean | channel  (norm.py)
 
     @property
     def rope_dim(self) -> int:
@@ -92,8 +98,22 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
     # softmax scale (d_n + d_r)^-0.5 instead of d^-0.5: fold the ratio into the query rows
     q_scale = ((d + d_r) / d) ** 0.5
 
+    # query second moment per head, E[q qᵀ] (H, d, d): weighs what the keys are read with
+    q_moment = torch.stack([
+        second_moment(q_w[h], None if q_b is None else q_b[h], cov, mean) for h in range(H)
+    ]) if (plan.rope_mixing == "query" or plan.lowrank == "score") else None
+
     # --- 1. RoPE split with per-frequency head mixing ------------------------------------------
-    mixing = head_mixing(source.k_weight.to(f64), None if k_b is None else k_b.reshape(-1), plan.rope_pairs, d, cov, mean)
+    mixing_cov, mixing_mean = (None, None) if plan.rope_mixing == "weight" else (cov, mean)
+    query_energy = None
+    if plan.rope_mixing == "query":  # (P, G): E|q|² of each group's query heads at each kept pair
+        diagonal = q_moment.diagonal(dim1=1, dim2=2).view(G, heads_per_group, d).sum(1)  # (G, d)
+        query_energy = torch.stack([sum(diagonal[:, row] for row in pair_rows(d, pair)) for pair in plan.rope_pairs]) \
+            if plan.rope_pairs else torch.zeros(0, G, dtype=f64)
+    key_coeff, query_coeff = rope_coefficients(
+        source.k_weight.to(f64), None if k_b is None else k_b.reshape(-1), plan.rope_pairs, d, mixing_cov, mixing_mean,
+        query_energy,
+    )
     rope_rows = interleaved_order(plan.rope_pairs, d)  # source rows, interleaved target order (d_r,)
     k_rope_w = torch.zeros(d_r, D, dtype=f64)  # the shared rope key's rows
     k_rope_b = torch.zeros(d_r, dtype=f64)
@@ -101,14 +121,14 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
     key_nope_b = None if k_b is None else k_b.clone()
     q_rope_coeff = torch.zeros(len(plan.rope_pairs), H, dtype=f64)  # per kept pair, per query head
     for j, pair in enumerate(plan.rope_pairs):
-        u0 = mixing[j, 0]  # (G,) coefficients of the principal component
+        b, a = key_coeff[j], query_coeff[j]  # (G,) rope key = Σ_g b_g k_g; group g reads a_g of it
         for c, row in enumerate(pair_rows(d, pair)):
-            k_rope_w[2 * j + c] = torch.einsum("g,gD->D", u0, k_w[:, row, :])
-            key_nope_w[:, row, :] -= u0[:, None] * k_rope_w[2 * j + c]
+            k_rope_w[2 * j + c] = torch.einsum("g,gD->D", b, k_w[:, row, :])
+            key_nope_w[:, row, :] -= a[:, None] * k_rope_w[2 * j + c]
             if k_b is not None:
-                k_rope_b[2 * j + c] = (u0 * k_b[:, row]).sum()
-                key_nope_b[:, row] -= u0 * k_rope_b[2 * j + c]
-        q_rope_coeff[j] = u0.repeat_interleave(heads_per_group)
+                k_rope_b[2 * j + c] = (b * k_b[:, row]).sum()
+                key_nope_b[:, row] -= a * k_rope_b[2 * j + c]
+        q_rope_coeff[j] = a.repeat_interleave(heads_per_group)
 
     # query rows per head: [q_nope (d) ; q_rope (d_r, interleaved)]
     q_rope_w = q_w[:, rope_rows, :] * q_rope_coeff.repeat_interleave(2, dim=0).T[:, :, None]  # (H, d_r, D)
@@ -119,7 +139,13 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
         q_target_b = torch.cat([q_b, q_rope_b], dim=1) * q_scale  # (H, d+d_r)
 
     # --- 2. joint low rank of [K_nope; V] -------------------------------------------------------
-    factors = joint_low_rank(key_nope_w.reshape(G * d, D), v_w, plan.latent_rank, cov, balance=plan.balance)
+    key_metric = value_metric = None
+    if plan.lowrank == "score":
+        key_metric = q_moment.view(G, heads_per_group, d, d).sum(1)  # (G, d, d): Σ_h E[q_h q_hᵀ]
+        o_heads = source.o_weight.to(f64).view(D, G, heads_per_group, d)  # (D, G, H/G, d)
+        value_metric = torch.einsum("Dghi,Dghj->gij", o_heads, o_heads)  # (G, d, d): Σ_h W_o,hᵀ W_o,h
+    factors = joint_low_rank(key_nope_w.reshape(G * d, D), v_w, plan.latent_rank, cov, balance=plan.balance,
+                             method=plan.lowrank, key_metric=key_metric, value_metric=value_metric)
     up_k = factors.up[: G * d].view(G, d, -1)  # (G, d, r)
     up_v = factors.up[G * d :].view(G, d, -1)  # (G, d, r)
     down = factors.down  # (r, D)
@@ -142,13 +168,14 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
         tensors["kv_a_layernorm.weight"] = norm.norm_weight
         tensors["o_proj.bias"] = source.o_bias.to(f64) if source.o_bias is not None else torch.zeros(D, dtype=f64)
     else:
-        # --- 3'. portable: unit-RMS latent, norm weight 1 (far above any eps) ---------------------
+        # --- 3'. portable: unit-RMS latent (far above any eps), norm weight calibrated ----------
         input_scale = source.input_norm_weight.to(f64)
-        rms = expected_rms(down, cov, None if cov is not None else input_scale)
-        down = down / rms
-        up_k, up_v = up_k * rms, up_v * rms
+        norm = calibrated_norm(down, cov, None if cov is not None else input_scale,
+                               None if stats.input_sample is None else stats.input_sample.to(f64), plan.norm_calibration)
+        down = down / norm.latent_scale
+        up_k, up_v = up_k * norm.latent_scale, up_v * norm.latent_scale
         kv_a_w = torch.cat([down, k_rope_w], dim=0)  # (r+d_r, D)
-        tensors["kv_a_layernorm.weight"] = torch.ones(r, dtype=f64)
+        tensors["kv_a_layernorm.weight"] = norm.weight
         for name, bias in (("q", q_b), ("k_rope", k_b), ("v", v_b), ("o", source.o_bias)):
             if bias is not None and float(bias.abs().max()) > 0:
                 dropped.append(name)

@@ -11,6 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mha2mla import UserError
 
 
+# the measured best methods (benchmarks/quality.py, docs/benchmarks.md), with and without calibration
+AUTO_METHODS = {
+    "calibrated": {"rope_mixing": "query", "lowrank": "score", "norm_calibration": "mean"},
+    "weight_only": {"rope_mixing": "weight", "lowrank": "svd", "norm_calibration": "rms"},
+}
+
+
 class ConvertOptions(BaseModel):
     """Everything that decides a conversion. Unknown keys are rejected (typos in recipes fail loudly)."""
 
@@ -24,11 +31,22 @@ class ConvertOptions(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     balance_kv: bool = True
     # calibration-aware initialisation (statistics of the attention inputs)
-    calib: str | None = None
+    calib: str | None = Field(None, description="calibration text: file, folder, dataset id, or `default` (bundled sample)")
     calib_samples: int = 64
     calib_seq_len: int = 256
+    calib_sequential: bool = Field(True, description="calibrate layer i on the outputs of the converted layers before it")
+    calib_device: str | None = Field(None, description="device for calibration forwards (default: cuda if available)")
+    # methods (docs/calibration.md); `auto` = the measured best with calibration, weight-only without
+    rope_mixing: Literal["auto", "weight", "activation", "query"] = "auto"
+    lowrank: Literal["auto", "svd", "pca", "whiten", "score"] = "auto"
+    norm_calibration: Literal["auto", "rms", "mean", "channel"] = "auto"
     max_shard_size: int = 2 * 1024**3
     untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (default: yes for portable)")
+
+    def resolved_methods(self, calibrated: bool) -> dict[str, str]:
+        """The methods actually used: ``auto`` picks the measured defaults (docs/benchmarks.md)."""
+        auto = AUTO_METHODS["calibrated" if calibrated else "weight_only"]
+        return {key: auto[key] if getattr(self, key) == "auto" else getattr(self, key) for key in auto}
 
     @field_validator("kv_budget")
     @classmethod

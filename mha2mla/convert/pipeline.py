@@ -38,7 +38,9 @@ TOKENIZER_FILES = (
 )
 REPORT_FILE = "conversion_report.json"
 
-# statistics provider: (layer index) -> LayerStatistics, or None for weight-only
+# statistics provider: (layer index) -> LayerStatistics, or None for weight-only. A provider with an
+# ``advance(layer, converted_tensors)`` method is told each converted layer right after it is made
+# (sequential calibration, calibration.py).
 StatisticsProvider = Callable[[int], LayerStatistics]
 
 
@@ -185,6 +187,7 @@ def convert(
         from mha2mla.io.card import write_model_card
 
         write_model_card(tmp, report)
+        _normal_permissions(tmp)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         os.replace(tmp, out)
@@ -201,7 +204,7 @@ def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, pro
     attention_plan = AttentionPlan(
         num_heads=plan.shape.num_heads, num_kv_heads=plan.shape.num_kv_heads, head_dim=plan.shape.head_dim,
         rope_pairs=plan.rope_pairs, latent_rank=plan.latent_rank, profile=plan.profile, dtype=dtype,
-        balance=options.balance_kv, use_q_lora=plan.use_q_lora,
+        balance=options.balance_kv, use_q_lora=plan.use_q_lora, **options.resolved_methods(statistics is not None),
     )
     kv_b_weights = {}
     layers, dropped = [], set()
@@ -210,6 +213,8 @@ def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, pro
         _check_shapes(source, plan, layer)
         stats = statistics(layer) if statistics is not None else None
         converted = convert_attention(source, attention_plan, stats)
+        if hasattr(statistics, "advance"):  # sequential calibration: feed the next layer this layer's output
+            statistics.advance(layer, converted.tensors)
         prefix = f"model.layers.{layer}"
         for name, tensor in converted.tensors.items():
             writer.add(f"{prefix}.self_attn.{name}", tensor)
@@ -251,10 +256,20 @@ def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, pro
         "plan": plan.to_dict(),
         "kv_bytes_per_token": plan.kv_bytes_per_token(),
         "initialisation": "activation-aware" if statistics is not None else "weight-only",
+        "methods": options.resolved_methods(statistics is not None),
         "dropped_biases": sorted(dropped),
         "portable_check": "passed" if plan.profile == "portable" else "not applicable (exact profile)",
         "layers": layers,
     }
+
+
+def _normal_permissions(folder: Path) -> None:
+    """mkdtemp makes a private folder; the output gets the permissions of any folder the user makes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~umask)
 
 
 def _written_names(folder: Path):

@@ -101,3 +101,53 @@ def head_mixing(
             mixing[0] = -mixing[0]
         mixings.append(mixing)
     return torch.stack(mixings) if mixings else torch.zeros(0, num_groups, num_groups, dtype=k_weight.dtype)
+
+
+ROPE_MIXING_METHODS = ("weight", "activation", "query")
+
+
+def rope_coefficients(
+    k_weight: torch.Tensor,
+    k_bias: torch.Tensor | None,
+    pairs: list[int],
+    head_dim: int,
+    input_covariance: torch.Tensor | None = None,
+    input_mean: torch.Tensor | None = None,
+    query_energy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per kept pair p: the rope key is ``k_rope = Σ_g b[p, g] k_g`` and query head h (group g) reads it
+    with coefficient ``a[p, g]``; ``k_g - a[p, g] k_rope`` is left to the NoPE part. Returns ``(b, a)``,
+    each ``[P, G]``.
+
+    Without ``query_energy`` this is the orthogonal mixing of :func:`head_mixing` (a = b = U[p, 0]).
+    With ``query_energy [P, G]`` (w = the summed E|q_h|² of group g's query heads at pair p) the loss
+    that rotation-dropping causes in the scores, Σ_g w_g E|k_g - a_g k_rope|², is minimised instead:
+    with W = diag(w) and u the top eigenvector of W^½ C W^½ (C: the heads' key second moment at p),
+    ``b = W^½ u`` and ``a = W^-½ u``. For G = 1 both reduce to the identity (exact).
+    """
+    if query_energy is None:
+        mixing = head_mixing(k_weight, k_bias, pairs, head_dim, input_covariance, input_mean)
+        return mixing[:, 0].clone(), mixing[:, 0].clone()
+    num_groups = k_weight.shape[0] // head_dim
+    k_heads = k_weight.view(num_groups, head_dim, -1)  # (G, d, D)
+    b_heads = None if k_bias is None else k_bias.view(num_groups, head_dim)  # (G, d)
+    key_coeff, query_coeff = [], []
+    for p, pair in enumerate(pairs):
+        moment = torch.zeros(num_groups, num_groups, dtype=k_weight.dtype)
+        for row in pair_rows(head_dim, pair):
+            b = None if b_heads is None else b_heads[:, row]
+            moment = moment + second_moment(k_heads[:, row, :], b, input_covariance, input_mean)
+        w = query_energy[p].to(k_weight.dtype)
+        w = w.clamp_min(1e-12 * float(w.max().clamp_min(1e-30)))  # (G,)
+        root = w.sqrt()
+        weighted = root[:, None] * moment * root[None, :]
+        _, vectors = torch.linalg.eigh(weighted)
+        u = vectors[:, -1]
+        if u.sum() < 0:
+            u = -u
+        key_coeff.append(root * u)
+        query_coeff.append(u / root)
+    if not pairs:
+        empty = torch.zeros(0, num_groups, dtype=k_weight.dtype)
+        return empty, empty.clone()
+    return torch.stack(key_coeff), torch.stack(query_coeff)

@@ -1,0 +1,323 @@
+"""Calibration statistics for activation-aware initialisation (DESIGN §3, docs/calibration.md).
+
+``calibration_statistics(ckpt, family, plan, options)`` returns a provider that the pipeline calls once
+per layer, in order: ``provider(i)`` gives the statistics of layer i's attention input x (the input
+RMSNorm's output) on the calibration tokens, and ``provider.advance(i, tensors)`` pushes the hidden
+states through layer i — through the *converted* attention (``calib_sequential``, the default: layer i+1
+is then calibrated on what the converted model really feeds it) or through the source attention.
+
+Only one layer's hidden states are held at a time: ``(N, L, D)`` for N sequences of L tokens, on the
+chosen device. Each layer's weights are read from the lazy checkpoint when it is reached.
+
+Calibration text: a .txt / .jsonl / .parquet file, a folder of those, a Hugging Face dataset id (when
+online), or ``default`` — the bundled public-domain sample (``mha2mla/data/calibration_sample.txt``:
+The Devil's Dictionary and part of the Jargon File; see calibration_sample_licence.txt). N windows of L
+tokens are taken evenly spaced through the text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from mha2mla import UserError
+from mha2mla.convert.norm import expected_rms
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".json", ".parquet")
+TEXT_FIELDS = ("text", "content", "document", "body")
+# tokens kept per layer (on top of the moments) for statistics that need per-token values
+INPUT_SAMPLE_TOKENS = 4096
+
+
+def bundled_sample_path() -> Path:
+    return Path(str(resources.files("mha2mla.data").joinpath("calibration_sample.txt")))
+
+
+def _records_text(records, where: str) -> list[str]:
+    texts = []
+    for record in records:
+        if isinstance(record, str):
+            texts.append(record)
+            continue
+        field = next((key for key in TEXT_FIELDS if isinstance(record.get(key), str)), None)
+        if field is None:
+            raise UserError(f"{where} has a record without a text field ({', '.join(TEXT_FIELDS)}); give plain text or add one.")
+        texts.append(record[field])
+    return texts
+
+
+def _file_texts(path: Path) -> list[str]:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as error:
+            raise UserError("reading .parquet calibration data needs pyarrow; `pip install pyarrow` or give .txt/.jsonl.") from error
+        table = pq.read_table(path)
+        column = next((name for name in TEXT_FIELDS if name in table.column_names), None)
+        if column is None:
+            raise UserError(f"{path} has no text column ({', '.join(TEXT_FIELDS)}).")
+        return [text for text in table.column(column).to_pylist() if text]
+    if suffix == ".jsonl":
+        lines = path.read_text(encoding="utf-8").splitlines()
+        try:
+            return _records_text([json.loads(line) for line in lines if line.strip()], str(path))
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path} is not valid JSON lines ({error.msg} at line {error.lineno}).") from None
+    if suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return _records_text(data if isinstance(data, list) else [data], str(path))
+    return [path.read_text(encoding="utf-8", errors="replace")]
+
+
+def load_calibration_texts(calib: str | None) -> list[str]:
+    """The documents of a calibration source (see the module docstring)."""
+    if calib in (None, "", "default"):
+        return [bundled_sample_path().read_text(encoding="utf-8")]
+    path = Path(calib).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise UserError(f"calibration folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files.")
+        return [text for file in files for text in _file_texts(file)]
+    if path.is_file():
+        return _file_texts(path)
+    if path.suffix.lower() in TEXT_SUFFIXES or str(calib).startswith((".", "/", "~")):
+        raise UserError(f"calibration data {calib} does not exist; give a file, a folder, a dataset id or `default`.")
+    return _hub_texts(str(calib))
+
+
+def _hub_texts(dataset_id: str, max_documents: int = 2000) -> list[str]:
+    try:
+        from datasets import load_dataset
+
+        name, _, config = dataset_id.partition(":")
+        stream = load_dataset(name, config or None, split="train", streaming=True)
+        records = []
+        for record in stream:
+            records.append(record)
+            if len(records) >= max_documents:
+                break
+    except Exception as error:
+        raise UserError(
+            f"{dataset_id} is neither a local path nor a loadable dataset ({type(error).__name__}); "
+            "check the name and the network, or pass a local .txt/.jsonl/.parquet file."
+        ) from error
+    return _records_text(records, dataset_id)
+
+
+def calibration_token_ids(texts: list[str], tokenizer, num_samples: int, seq_len: int) -> torch.Tensor:
+    """``(num_samples, seq_len)`` token ids: windows evenly spaced through the concatenated documents."""
+    separator = tokenizer.eos_token or "\n\n"
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text + separator, add_special_tokens=False)["input_ids"])
+        if len(ids) >= num_samples * seq_len * 4:  # enough for well-spread windows
+            break
+    if len(ids) < seq_len:
+        raise UserError(f"the calibration text has {len(ids)} tokens, fewer than one sequence of {seq_len}; give more text.")
+    if len(ids) < num_samples * seq_len:
+        log.warning("calibration text has %d tokens: the %d sequences of %d tokens overlap.", len(ids), num_samples, seq_len)
+    starts = torch.linspace(0, len(ids) - seq_len, num_samples).round().long()
+    tokens = torch.tensor(ids, dtype=torch.long)
+    return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])  # (N, L)
+
+
+@dataclass
+class _Modules:
+    """Classes of the source family and of the target, taken from transformers (no weights)."""
+
+    source_config: object
+    target_config: object
+    layer_class: type
+    source_rotary: torch.nn.Module
+    target_attention_class: type
+    target_rotary: torch.nn.Module
+
+
+def _modules(ckpt, plan) -> _Modules:
+    from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    from mha2mla.convert.pipeline import deepseek_config
+
+    config_dict = dict(ckpt.config)
+    source_config = AutoConfig.for_model(config_dict.pop("model_type"), **{k: v for k, v in config_dict.items() if k != "transformers_version"})
+    source_config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(source_config)
+    layer_class = type(skeleton.model.layers[0])
+    rotary_class = type(skeleton.model.rotary_emb)
+    target = deepseek_config(plan, ckpt.config)
+    target_config = DeepseekV3Config(**{k: v for k, v in target.items() if k not in ("mha2mla", "architectures", "dtype")})
+    target_config._attn_implementation = "sdpa"
+    return _Modules(
+        source_config=source_config, target_config=target_config, layer_class=layer_class,
+        source_rotary=rotary_class(config=source_config), target_attention_class=deepseek.DeepseekV3Attention,
+        target_rotary=deepseek.DeepseekV3RotaryEmbedding(config=target_config),
+    )
+
+
+class LayerwiseCalibration:
+    """The statistics provider (see the module docstring). Call ``provider(i)`` then ``advance(i, tensors)``."""
+
+    def __init__(self, ckpt, family, plan, tokens: torch.Tensor, sequential: bool = True, device: str | None = None,
+                 batch_size: int = 8, progress: bool = True):
+        self.ckpt, self.family, self.plan = ckpt, family, plan
+        self.sequential = sequential
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.batch_size = batch_size
+        self.modules = _modules(ckpt, plan)
+        self.num_layers = plan.shape.num_layers
+        embed = ckpt.get(family.weight("embed_tokens"))
+        self.hidden = embed[tokens].to(self.device)  # (N, L, D): the current layer's input hidden states
+        self.layer = 0  # the hidden states are the input of this layer
+        N, L = tokens.shape
+        positions = torch.arange(L, device=self.device)[None]  # (1, L)
+        probe = torch.zeros(1, L, 1, device=self.device)
+        self.source_rope = self.modules.source_rotary.to(self.device)(probe, positions)
+        self.target_rope = self.modules.target_rotary.to(self.device)(probe, positions)
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.num_layers, desc=f"calibrating ({N}×{L} tokens)", unit="layer")
+
+    # ---- one source layer, weights read lazily ------------------------------------------------
+    def _source_layer(self, layer: int) -> torch.nn.Module:
+        module = self.modules.layer_class(self.modules.source_config, layer_idx=layer)
+        prefix = f"model.layers.{layer}."
+        state = {name: self.ckpt.get(prefix + name) for name in module.state_dict()}
+        module.load_state_dict(state)
+        return module.to(self.device).eval()
+
+    def _target_attention(self, layer: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+        module = self.modules.target_attention_class(self.modules.target_config, layer_idx=layer)
+        state = module.state_dict()
+        missing = [name for name in tensors if name not in state]
+        if missing:
+            raise RuntimeError(f"internal error: converted tensors {missing} have no place in DeepseekV3Attention")
+        state.update({name: tensor.float() for name, tensor in tensors.items()})
+        module.load_state_dict(state)
+        return module.to(self.device).eval()
+
+    @torch.no_grad()
+    def __call__(self, layer: int):
+        from mha2mla.convert.attention import LayerStatistics
+
+        while self.layer < layer:  # a caller that does not advance: follow the source model
+            self.advance(self.layer, None)
+        if layer != self.layer:
+            raise RuntimeError(f"calibration statistics asked for layer {layer} after layer {self.layer}; layers go in order")
+        norm_weight = self.ckpt.get(self.family.weight("input_layernorm", layer)).to(self.device)
+        eps = float(self.ckpt.config.get("rms_norm_eps", 1e-6))
+        D = self.hidden.shape[-1]
+        moment = torch.zeros(D, D, dtype=torch.float64, device=self.device)
+        total = torch.zeros(D, dtype=torch.float64, device=self.device)
+        count = 0
+        flat = self.hidden.reshape(-1, D)  # (N*L, D)
+        sample_every = max(1, flat.shape[0] // INPUT_SAMPLE_TOKENS)
+        samples = []
+        for start in range(0, flat.shape[0], 4096):
+            x = rms_norm(flat[start : start + 4096], norm_weight, eps)  # (n, D) float32
+            moment += (x.T @ x).double()  # a float32 product per chunk, accumulated in float64
+            total += x.double().sum(0)
+            count += x.shape[0]
+            samples.append(x[(-start) % sample_every :: sample_every])
+        return LayerStatistics(
+            input_covariance=(moment / count).cpu(), input_mean=(total / count).cpu(), num_tokens=count,
+            input_sample=torch.cat(samples)[:INPUT_SAMPLE_TOKENS].cpu(),
+        )
+
+    @torch.no_grad()
+    def advance(self, layer: int, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Push the hidden states through layer ``layer``: its converted attention (``tensors``, when
+        calibrating sequentially) or the source attention, then the source MLP."""
+        if layer != self.layer:
+            raise RuntimeError(f"calibration advanced through layer {layer} while at layer {self.layer}")
+        source = self._source_layer(layer)
+        converted = self._target_attention(layer, tensors) if (self.sequential and tensors is not None) else None
+        for start in range(0, self.hidden.shape[0], self.batch_size):
+            h = self.hidden[start : start + self.batch_size]  # (b, L, D)
+            x = source.input_layernorm(h)
+            if converted is not None:
+                attention = converted(x, position_embeddings=self.target_rope, attention_mask=None)[0]
+            else:
+                attention = source.self_attn(x, position_embeddings=self.source_rope, attention_mask=None)[0]
+            h = h + attention
+            h = h + source.mlp(source.post_attention_layernorm(h))
+            self.hidden[start : start + self.batch_size] = h
+        self.layer += 1
+        if self._bar is not None:
+            self._bar.update(1)
+            if self.layer == self.num_layers:
+                self._bar.close()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def calibration_statistics(ckpt, family, plan, options, progress: bool = True) -> LayerwiseCalibration:
+    """The pipeline's statistics provider for ``options.calib`` (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt.folder))
+    except Exception as error:
+        raise UserError(f"calibration needs the source tokenizer, which {ckpt.folder} lacks ({type(error).__name__}).") from error
+    texts = load_calibration_texts(options.calib)
+    tokens = calibration_token_ids(texts, tokenizer, options.calib_samples, options.calib_seq_len)
+    return LayerwiseCalibration(ckpt, family, plan, tokens, sequential=options.calib_sequential,
+                                device=options.calib_device, progress=progress)
+
+
+# ---- the portable profile's kv_a_layernorm, calibrated by measurement ---------------------------
+NORM_CALIBRATIONS = ("rms", "mean", "channel")
+
+
+@dataclass
+class CalibratedNorm:
+    latent_scale: float  # divide kv_a's latent rows by it (and multiply kv_b's columns): unit-RMS latents
+    weight: torch.Tensor  # (r,) kv_a_layernorm's weight
+
+
+def calibrated_norm(
+    down: torch.Tensor,
+    input_covariance: torch.Tensor | None,
+    input_scale: torch.Tensor | None = None,
+    input_sample: torch.Tensor | None = None,
+    method: str = "rms",
+) -> CalibratedNorm:
+    """The portable profile's kv_a_layernorm (DESIGN §2). The norm turns a latent c into w ⊙ c / ρ(c)
+    with ρ the token's RMS; we want that to be c itself (in the units kv_b_proj expects).
+
+    - ``rms``: w = 1 after scaling the latent to unit expected RMS, s = sqrt(E ρ²) (norm.expected_rms);
+      a token at the RMS passes unchanged.
+    - ``mean``: the least-squares scalar over tokens, min E||w c/ρ - c||² → w = E[ρ] (in units of s).
+    - ``channel``: per channel, min E(w_j c_j/ρ - c_j)² → w_j = E[c_j²/ρ] / E[c_j²/ρ²].
+
+    ``mean`` and ``channel`` need ``input_sample`` (tokens' x); without it they fall back to ``rms``.
+    """
+    if method not in NORM_CALIBRATIONS:
+        raise ValueError(f"unknown norm calibration {method!r}")
+    scale = expected_rms(down, input_covariance, input_scale)
+    r = down.shape[0]
+    if method == "rms" or input_sample is None:
+        return CalibratedNorm(latent_scale=scale, weight=torch.ones(r, dtype=down.dtype))
+    latent = input_sample.to(down.dtype) @ down.T / scale  # (n, r), unit RMS on average
+    rho = latent.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)  # (n, 1): per-token RMS
+    if method == "mean":
+        weight = torch.full((r,), float(rho.mean()), dtype=down.dtype)
+    else:
+        square = latent.pow(2)
+        weight = (square / rho).mean(0) / (square / rho.pow(2)).mean(0).clamp_min(1e-30)
+    return CalibratedNorm(latent_scale=scale, weight=weight)

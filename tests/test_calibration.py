@@ -1,0 +1,253 @@
+"""Calibration-aware conversion: statistics collection, text loading, and the exactness of every method."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common import build_source
+from mha2mla import UserError
+from mha2mla.convert.calibration import (
+    LayerwiseCalibration,
+    calibrated_norm,
+    calibration_token_ids,
+    load_calibration_texts,
+)
+from mha2mla.convert.lowrank import joint_low_rank
+from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.pipeline import convert
+from mha2mla.convert.plan import make_plan
+from mha2mla.convert.rope import head_mixing, rope_coefficients
+from mha2mla.families import family_for_config
+from mha2mla.io.source import open_source
+
+HEAD_DIM = 16
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calib_sources")
+    return {
+        "llama_mqa": build_source(root / "llama_mqa", "llama", num_heads=4, num_kv_heads=1, tie_word_embeddings=True),
+        "qwen2_mqa": build_source(root / "qwen2_mqa", "qwen2", num_heads=4, num_kv_heads=1),
+        "llama_gqa": build_source(root / "llama_gqa", "llama", num_heads=4, num_kv_heads=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def input_ids():
+    return torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def logits(folder, ids):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def direct_statistics(folder, tokens, layer):
+    """E[x xᵀ] and E[x] of layer ``layer``'s attention input, from the source model run whole."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(tokens, output_hidden_states=True).hidden_states[layer]  # (N, L, D)
+        x = model.model.layers[layer].input_layernorm(hidden).reshape(-1, hidden.shape[-1]).double()
+    return x.T @ x / x.shape[0], x.mean(0)
+
+
+def provider(folder, tokens, sequential, profile="exact", **options):
+    ckpt = open_source(folder)
+    family = family_for_config(ckpt.config)
+    plan = make_plan(ckpt.config, family, ConvertOptions(profile=profile, **options))
+    return LayerwiseCalibration(ckpt, family, plan, tokens, sequential=sequential, device="cpu", progress=False)
+
+
+# --- statistics collection ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_statistics_equal_a_direct_computation(sources, layer):
+    tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(2))
+    stats_provider = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
+    stats = stats_provider(layer)  # layer 1: the provider walks the source layer 0 itself
+    covariance, mean = direct_statistics(sources["llama_gqa"], tokens, layer)
+    assert stats.num_tokens == 3 * 24
+    torch.testing.assert_close(stats.input_covariance, covariance, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.input_mean, mean, rtol=1e-5, atol=1e-6)
+    assert stats.input_sample.shape == (3 * 24, HIDDEN)
+
+
+def test_sequential_statistics_follow_the_converted_layer(sources):
+    """Layer 1's statistics come from the converted layer 0: equal to the source's when that layer is
+    exact (MQA, full capacity), different when it is cut to a low rank."""
+    tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(3))
+    folder = sources["llama_mqa"]
+    covariance, _ = direct_statistics(folder, tokens, 1)
+    for rank, should_match in ((2 * HEAD_DIM + 1, True), (4, False)):
+        out = folder.parent / f"seq_rank{rank}"
+        seen = {}
+
+        class Recording(LayerwiseCalibration):
+            def __call__(self, layer):
+                seen[layer] = super().__call__(layer)
+                return seen[layer]
+
+        ckpt = open_source(folder)
+        family = family_for_config(ckpt.config)
+        options = ConvertOptions(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM)
+        plan = make_plan(ckpt.config, family, options)
+        recording = Recording(ckpt, family, plan, tokens, sequential=True, device="cpu", progress=False)
+        convert(folder, out, options, statistics=recording, progress=False, force=True)
+        close = torch.allclose(seen[1].input_covariance, covariance, rtol=1e-4, atol=1e-4)
+        assert close == should_match, (rank, (seen[1].input_covariance - covariance).abs().max())
+
+
+def test_statistics_ask_for_layers_in_order(sources):
+    tokens = torch.randint(0, 384, (1, 16), generator=torch.Generator().manual_seed(4))
+    stats_provider = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
+    stats_provider(1)
+    with pytest.raises(RuntimeError):
+        stats_provider(0)
+
+
+# --- every method keeps full-capacity conversions exact (DESIGN §3 ladder, rung a) ----------------
+
+METHOD_GRID = [
+    dict(rope_mixing="weight", lowrank="svd"),
+    dict(rope_mixing="activation", lowrank="pca", calib_sequential=False),
+    dict(rope_mixing="activation", lowrank="pca", calib_sequential=True),
+    dict(rope_mixing="activation", lowrank="whiten", calib_sequential=True),
+    dict(rope_mixing="query", lowrank="score", calib_sequential=True),
+    dict(rope_mixing="query", lowrank="score", calib_sequential=False),
+]
+
+
+@pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
+@pytest.mark.parametrize("methods", METHOD_GRID, ids=lambda m: "-".join(str(v) for v in m.values()))
+def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, name, methods):
+    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="default",
+                             calib_samples=4, calib_seq_len=32, **methods)
+    result = convert(sources[name], tmp_path / "out", options, progress=False)
+    assert result.report["initialisation"] == "activation-aware"
+    difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
+    assert difference < 1e-4, difference
+
+
+@pytest.mark.parametrize("norm", ["rms", "mean", "channel"])
+def test_portable_norm_calibrations_write_valid_outputs_and_differ(sources, input_ids, tmp_path, norm):
+    options = ConvertOptions(profile="portable", kv_budget=0.5, calib="default", calib_samples=4, calib_seq_len=32,
+                             norm_calibration=norm)
+    convert(sources["llama_gqa"], tmp_path / "out", options, progress=False)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(next((tmp_path / "out").glob("model*.safetensors"))))
+    norm_weight = weights["model.layers.0.self_attn.kv_a_layernorm.weight"]
+    if norm == "rms":
+        assert torch.all(norm_weight == 1)
+    else:
+        assert not torch.all(norm_weight == 1)
+    assert torch.isfinite(logits(tmp_path / "out", input_ids)).all()
+
+
+# --- the pieces -----------------------------------------------------------------------------------
+
+def test_low_rank_methods_reproduce_full_rank_and_whiten_spans_the_pca_subspace():
+    torch.manual_seed(0)
+    G, d, D = 2, 8, 40
+    key, value = torch.randn(G * d, D, dtype=torch.float64), torch.randn(G * d, D, dtype=torch.float64)
+    x = torch.randn(500, D, dtype=torch.float64) * torch.linspace(0.1, 3, D, dtype=torch.float64)
+    covariance = x.T @ x / 500
+    metric_q = torch.stack([a @ a.T for a in torch.randn(G, d, d, dtype=torch.float64)])
+    metric_o = torch.stack([a @ a.T for a in torch.randn(G, d, d, dtype=torch.float64)])
+    stacked = torch.cat([key, value])
+    for method in ("svd", "pca", "whiten", "score"):
+        factors = joint_low_rank(key, value, 2 * G * d, covariance, method=method, key_metric=metric_q, value_metric=metric_o)
+        torch.testing.assert_close(factors.up @ factors.down, stacked, rtol=1e-8, atol=1e-8)
+    pca = joint_low_rank(key, value, 5, covariance, method="pca")
+    whiten = joint_low_rank(key, value, 5, covariance, method="whiten")
+    torch.testing.assert_close(pca.up @ pca.down, whiten.up @ whiten.down, rtol=1e-7, atol=1e-7)
+
+
+def test_score_method_lowers_the_score_error_it_targets():
+    """At low rank the score-weighted factorisation has a smaller E[(q·(k - k̂))²] than plain PCA."""
+    torch.manual_seed(1)
+    G, d, D = 1, 8, 32
+    key, value = torch.randn(G * d, D, dtype=torch.float64), torch.randn(G * d, D, dtype=torch.float64)
+    covariance = torch.eye(D, dtype=torch.float64)
+    anisotropic = torch.diag(torch.logspace(-2, 2, d, dtype=torch.float64))[None]  # (1, d, d): queries favour some dims
+    identity = torch.eye(d, dtype=torch.float64)[None]
+
+    def score_error(factors):
+        error = (factors.up @ factors.down)[: G * d] - key  # (d, D)
+        return float(torch.einsum("id,ij,jd->", error, anisotropic[0], error))
+
+    pca = joint_low_rank(key, value, 6, covariance, method="pca")
+    score = joint_low_rank(key, value, 6, covariance, method="score", key_metric=anisotropic, value_metric=identity)
+    assert score_error(score) < score_error(pca)
+
+
+def test_query_weighted_rope_coefficients():
+    torch.manual_seed(2)
+    G, d, D = 3, 8, 24
+    k_weight = torch.randn(G * d, D, dtype=torch.float64)
+    pairs = [0, 1]
+    # equal query energy per group: the orthogonal activation mixing
+    b, a = rope_coefficients(k_weight, None, pairs, d, query_energy=torch.ones(2, G, dtype=torch.float64))
+    u = head_mixing(k_weight, None, pairs, d)[:, 0]
+    torch.testing.assert_close(b, u)
+    torch.testing.assert_close(a, u)
+    # G = 1: the rope key is the head's key exactly (a * b = 1)
+    b1, a1 = rope_coefficients(k_weight[:d], None, pairs, d, query_energy=torch.full((2, 1), 7.0, dtype=torch.float64))
+    torch.testing.assert_close(a1 * b1, torch.ones(2, 1, dtype=torch.float64))
+
+
+def test_norm_calibration_matches_its_definitions():
+    torch.manual_seed(3)
+    down = torch.randn(6, 16, dtype=torch.float64)
+    sample = torch.randn(300, 16, dtype=torch.float64) * torch.rand(300, 1, dtype=torch.float64)
+    covariance = sample.T @ sample / 300
+    mean = calibrated_norm(down, covariance, input_sample=sample, method="mean")
+    latent = sample @ down.T / mean.latent_scale
+    rho = latent.pow(2).mean(-1).sqrt()
+    assert mean.latent_scale == pytest.approx(float((sample @ down.T).pow(2).mean().sqrt()), rel=1e-9)
+    torch.testing.assert_close(mean.weight, torch.full((6,), float(rho.mean()), dtype=torch.float64))
+    channel = calibrated_norm(down, covariance, input_sample=sample, method="channel")
+    # each channel's weight minimises E(w c/ρ - c)²: the gradient there is zero
+    w = channel.weight
+    gradient = ((w * latent / rho[:, None] - latent) * latent / rho[:, None]).mean(0)
+    torch.testing.assert_close(gradient, torch.zeros(6, dtype=torch.float64), atol=1e-10, rtol=0)
+
+
+# --- calibration text ------------------------------------------------------------------------------
+
+def test_calibration_text_sources(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text file")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "first"}) + "\n" + json.dumps({"content": "second"}) + "\n")
+    assert load_calibration_texts(str(tmp_path / "a.txt")) == ["plain text file"]
+    assert load_calibration_texts(str(tmp_path / "b.jsonl")) == ["first", "second"]
+    assert sorted(load_calibration_texts(str(tmp_path))) == ["first", "plain text file", "second"]
+    assert len(load_calibration_texts("default")[0]) > 100_000  # the bundled sample
+    with pytest.raises(UserError):
+        load_calibration_texts(str(tmp_path / "missing.txt"))
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"title": "no text"}) + "\n")
+    with pytest.raises(UserError):
+        load_calibration_texts(str(tmp_path / "bad.jsonl"))
+
+
+def test_parquet_calibration_text(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["one", "two"]}), tmp_path / "c.parquet")
+    assert load_calibration_texts(str(tmp_path / "c.parquet")) == ["one", "two"]
+
+
+def test_calibration_windows_are_evenly_spread(sources):
+    tokenizer = AutoTokenizer.from_pretrained(str(sources["llama_gqa"]))
+    tokens = calibration_token_ids(["the keys were gathered into a latent " * 200], tokenizer, 5, 16)
+    assert tokens.shape == (5, 16)
+    assert len({tuple(row.tolist()) for row in tokens}) > 1
+    with pytest.raises(UserError):
+        calibration_token_ids(["tiny"], tokenizer, 2, 1000)
