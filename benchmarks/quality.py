@@ -46,6 +46,25 @@ def evaluate(folder: Path, slices, num_tokens: int) -> dict[str, float]:
     return {name: held_out_perplexity(model, tokenizer, name, num_tokens=num_tokens) for name in slices}
 
 
+_STATISTICS: dict = {}
+
+
+def source_statistics(source: Path, options) -> list:
+    """Every layer's statistics on the source model's own activations, computed once per calibration set."""
+    from mha2mla.convert.calibration import calibration_statistics
+    from mha2mla.convert.plan import make_plan
+    from mha2mla.families import family_for_config
+    from mha2mla.io.source import open_source
+
+    key = (str(source), options.calib, options.calib_samples, options.calib_seq_len)
+    if key not in _STATISTICS:
+        ckpt = open_source(source)
+        family = family_for_config(ckpt.config)
+        provider = calibration_statistics(ckpt, family, make_plan(ckpt.config, family, options), options, progress=False)
+        _STATISTICS[key] = [provider(layer) for layer in range(provider.num_layers)]
+    return _STATISTICS[key]
+
+
 def method_options(method: str, args) -> dict:
     spec = dict(METHODS[method])
     if spec.pop("calib", False):
@@ -67,9 +86,14 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         ckpt = open_source(source)
         plan = make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(profile=profile, kv_budget=budget))
         options.update(kv_budget=None, rope_dim=rope_dim, kv_lora_rank=plan.kv_lora_rank + plan.rope_dim - rope_dim)
+    options = ConvertOptions(**options)
+    statistics = None
+    if options.calib is not None and not options.calib_sequential:
+        statistics = source_statistics(source, options).__getitem__  # the same for every method and budget
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         started = time.time()
-        result = convert(source, Path(tmp) / "out", ConvertOptions(**options), progress=False, command="benchmarks/quality.py")
+        result = convert(source, Path(tmp) / "out", options, progress=False, statistics=statistics,
+                         command="benchmarks/quality.py")
         seconds = time.time() - started
         perplexity = evaluate(Path(tmp) / "out", args.slices, args.windows * 512)
     layers = result.report["layers"]
@@ -78,6 +102,7 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         "rope_dim": result.plan.rope_dim, "kv_lora_rank": result.plan.kv_lora_rank,
         "values_per_token_per_layer": result.plan.rope_dim + result.plan.kv_lora_rank,
         "methods": result.report["methods"], "convert_seconds": round(seconds, 1),
+        "statistics": "precomputed (source activations)" if statistics is not None else "in convert",
         "k_rel_error": round(sum(l["k_rel_error"] for l in layers) / len(layers), 4),
         "v_rel_error": round(sum(l["v_rel_error"] for l in layers) / len(layers), 4),
         "perplexity": {k: round(v, 3) for k, v in perplexity.items()},

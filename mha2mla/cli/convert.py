@@ -22,7 +22,7 @@ def convert_command(
     calib: Optional[str] = typer.Option(None, help="Calibration text (file, folder or dataset id) for activation-aware initialisation."),
     calib_samples: Optional[int] = typer.Option(None, help="Calibration sequences."),
     calib_seq_len: Optional[int] = typer.Option(None, help="Tokens per calibration sequence."),
-    calib_sequential: Optional[bool] = typer.Option(None, "--calib-sequential/--calib-source", help="Calibrate each layer on the converted layers' outputs (default) or on the source model's."),
+    calib_sequential: Optional[bool] = typer.Option(None, "--calib-sequential/--calib-source", help="Calibrate each layer on the converted layers' outputs, or on the source model's (default)."),
     calib_device: Optional[str] = typer.Option(None, help="Device for the calibration forwards (default: cuda if available, else cpu)."),
     rope_mixing: Optional[str] = typer.Option(None, help="RoPE head mixing: auto, weight, activation or query (docs/calibration.md)."),
     lowrank: Optional[str] = typer.Option(None, help="Joint low rank of [K_nope; V]: auto, svd, pca, whiten or score (docs/calibration.md)."),

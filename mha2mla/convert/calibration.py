@@ -3,16 +3,17 @@
 ``calibration_statistics(ckpt, family, plan, options)`` returns a provider that the pipeline calls once
 per layer, in order: ``provider(i)`` gives the statistics of layer i's attention input x (the input
 RMSNorm's output) on the calibration tokens, and ``provider.advance(i, tensors)`` pushes the hidden
-states through layer i — through the *converted* attention (``calib_sequential``, the default: layer i+1
-is then calibrated on what the converted model really feeds it) or through the source attention.
+states through layer i — through the source attention (the default), or through the *converted*
+attention (``calib_sequential``: layer i+1 is then calibrated on what the converted model really feeds
+it, as TransMLA does; measured slightly worse on SmolLM2, docs/benchmarks.md).
 
 Only one layer's hidden states are held at a time: ``(N, L, D)`` for N sequences of L tokens, on the
 chosen device. Each layer's weights are read from the lazy checkpoint when it is reached.
 
 Calibration text: a .txt / .jsonl / .parquet file, a folder of those, a Hugging Face dataset id (when
 online), or ``default`` — the bundled public-domain sample (``mha2mla/data/calibration_sample.txt``:
-The Devil's Dictionary and part of the Jargon File; see calibration_sample_licence.txt). N windows of L
-tokens are taken evenly spaced through the text.
+The Devil's Dictionary, part of the Jargon File and seven CPython standard-library modules; see
+calibration_sample_licence.txt). N windows of L tokens are taken evenly spaced through the text.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def _modules(ckpt, plan) -> _Modules:
 class LayerwiseCalibration:
     """The statistics provider (see the module docstring). Call ``provider(i)`` then ``advance(i, tensors)``."""
 
-    def __init__(self, ckpt, family, plan, tokens: torch.Tensor, sequential: bool = True, device: str | None = None,
+    def __init__(self, ckpt, family, plan, tokens: torch.Tensor, sequential: bool = False, device: str | None = None,
                  batch_size: int = 8, progress: bool = True):
         self.ckpt, self.family, self.plan = ckpt, family, plan
         self.sequential = sequential

@@ -13,7 +13,7 @@ from mha2mla import UserError
 
 # the measured best methods (benchmarks/quality.py, docs/benchmarks.md), with and without calibration
 AUTO_METHODS = {
-    "calibrated": {"rope_mixing": "query", "lowrank": "score", "norm_calibration": "mean"},
+    "calibrated": {"rope_mixing": "activation", "lowrank": "pca", "norm_calibration": "mean"},
     "weight_only": {"rope_mixing": "weight", "lowrank": "svd", "norm_calibration": "rms"},
 }
 
@@ -34,7 +34,8 @@ class ConvertOptions(BaseModel):
     calib: str | None = Field(None, description="calibration text: file, folder, dataset id, or `default` (bundled sample)")
     calib_samples: int = 64
     calib_seq_len: int = 256
-    calib_sequential: bool = Field(True, description="calibrate layer i on the outputs of the converted layers before it")
+    calib_sequential: bool = Field(False, description="calibrate layer i on the outputs of the converted layers before it "
+                                   "(measured slightly worse than the source's activations, docs/benchmarks.md)")
     calib_device: str | None = Field(None, description="device for calibration forwards (default: cuda if available)")
     # methods (docs/calibration.md); `auto` = the measured best with calibration, weight-only without
     rope_mixing: Literal["auto", "weight", "activation", "query"] = "auto"
