@@ -46,15 +46,26 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain numbers, so checkpoints load with ``weights_only=True``
+    (nothing is ever unpickled)."""
+    version, python_state, gauss = random.getstate()
+    kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    state = {
+        "python": {"version": version, "state": torch.tensor(python_state, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(numpy_keys.astype(np.int64)), "pos": int(numpy_pos),
+                  "has_gauss": int(numpy_has_gauss), "gauss": float(numpy_gauss)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(int(v) for v in python["state"].tolist()), python["gauss"]))
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"], numpy["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -102,8 +113,8 @@ def load_checkpoint(folder: Path, rank: int = 0) -> dict:
         raise UserError(f"{folder} was written by a run with fewer processes; resume with the same number of processes.")
     return {
         "trainable": load_file(str(folder / TRAINABLE_FILE)),
-        "optimizer": torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=False),
-        "scheduler": torch.load(folder / SCHEDULER_FILE, map_location="cpu", weights_only=False),
-        "rng": torch.load(rng_file, weights_only=False),
+        "optimizer": torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
+        "scheduler": torch.load(folder / SCHEDULER_FILE, map_location="cpu", weights_only=True),
+        "rng": torch.load(rng_file, weights_only=True),
         "state": json.loads((folder / STATE_FILE).read_text()),
     }
