@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--profiles", nargs="+", default=["exact", "portable"], choices=["exact", "portable"])
     parser.add_argument("--rope-dims", type=int, nargs="+", default=None, help="rope/rank splits to sweep (same total)")
-    parser.add_argument("--norm-calibration", default="auto", choices=["auto", "rms", "mean", "channel"])
+    parser.add_argument("--norm-calibration", default="auto", choices=["auto", "rms", "mean", "channel", "stabilized"])
     parser.add_argument("--calib", default="default")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--calib-seq-len", type=int, default=256)

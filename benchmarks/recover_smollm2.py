@@ -9,6 +9,7 @@ held-out KJV perplexity curve, next to the source model and the training-free co
 Training text: the first 30% of the KJV and of the Python docs (cut into ~4000-character documents at line
 boundaries, the two sources interleaved), far from the held-out slices (which start 1/3 into each file).
 Evaluation: ``held_out_token_ids(tokenizer, name, N)`` decoded to text and packed into rows of --seq-len.
+RECOVER_CONVERTED (the converted checkpoint) and RECOVER_WORK (the run folder) override the defaults.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
 from mha2mla.data import assets
 
 TRAIN_FRACTION = 0.30
-CONVERTED = assets.cache_dir() / "converted" / "smollm2-135m-kv0.125"
-WORK = assets.cache_dir() / "recover_smollm2"
+CONVERTED = Path(os.environ.get("RECOVER_CONVERTED", assets.cache_dir() / "converted" / "smollm2-135m-kv0.125"))
+WORK = Path(os.environ.get("RECOVER_WORK", assets.cache_dir() / "recover_smollm2"))
 
 
 def _documents(text: str, size: int = 4000) -> list[str]:

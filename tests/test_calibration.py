@@ -135,7 +135,7 @@ def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, na
     assert difference < 1e-4, difference
 
 
-@pytest.mark.parametrize("norm", ["rms", "mean", "channel"])
+@pytest.mark.parametrize("norm", ["rms", "mean", "channel", "stabilized"])
 def test_portable_norm_calibrations_write_valid_outputs_and_differ(sources, input_ids, tmp_path, norm):
     options = ConvertOptions(profile="portable", kv_budget=0.5, calib="default", calib_samples=4, calib_seq_len=32,
                              norm_calibration=norm)
@@ -251,3 +251,55 @@ def test_calibration_windows_are_evenly_spread(sources):
     assert len({tuple(row.tolist()) for row in tokens}) > 1
     with pytest.raises(UserError):
         calibration_token_ids(["tiny"], tokenizer, 2, 1000)
+
+
+# --- the portable profile's stabiliser channel ------------------------------------------------------
+
+def test_stabiliser_channel_keeps_sink_like_tokens_from_being_blown_up():
+    """Tokens whose input lies mostly outside the latent's row space (as attention sinks do in deep
+    layers) get a small latent that a plain norm would inflate; the stabiliser channel fixes that."""
+    from mha2mla.convert.calibration import calibrated_norm, stabilized_norm
+
+    generator = torch.Generator().manual_seed(0)
+    D, r = 32, 8
+    down = torch.linalg.qr(torch.randn(D, r, dtype=torch.float64, generator=generator))[0].T  # (r, D)
+    normal = torch.randn(2000, D, dtype=torch.float64, generator=generator)
+    sink_direction = torch.randn(D, dtype=torch.float64, generator=generator)
+    sink_direction -= down.T @ (down @ sink_direction)  # orthogonal to the latent's rows
+    sink_direction *= 12 / sink_direction.norm()
+    sinks = 0.1 * torch.randn(40, D, dtype=torch.float64, generator=generator) + sink_direction
+    sample = torch.cat([normal, sinks])
+    cov = sample.T @ sample / sample.shape[0]
+
+    def relative_error(norm, x):
+        latent = x @ down.T / norm.latent_scale  # (n, r)
+        channels = [latent] if norm.stabilizer is None else [latent, x @ norm.stabilizer.T]
+        full = torch.cat(channels, dim=-1)
+        rms = full.pow(2).mean(-1, keepdim=True).sqrt()
+        output = (norm.weight * full / rms)[:, :r]
+        return ((output - latent).pow(2).sum(-1) / latent.pow(2).sum(-1)).mean().item()
+
+    plain = calibrated_norm(down, cov, None, sample, "mean")
+    stabilised = stabilized_norm(down, cov, sample, channels=1)
+    assert stabilised.stabilizer.shape == (1, D) and stabilised.weight.shape == (r + 1,)
+    assert relative_error(plain, sinks) > 10
+    assert relative_error(stabilised, sinks) < 0.1 * relative_error(plain, sinks)
+    assert relative_error(stabilised, normal) < 1.5 * relative_error(plain, normal) + 0.01
+
+
+def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sources, input_ids, tmp_path):
+    from safetensors.torch import load_file
+
+    from mha2mla.convert.portable import check_portable_folder
+
+    options = ConvertOptions(profile="portable", kv_lora_rank=13, rope_dim=8, calib="default", calib_samples=4,
+                             calib_seq_len=32)
+    result = convert(sources["llama_gqa"], tmp_path / "out", options, progress=False)
+    assert result.plan.extra_channel == "stabilizer" and result.plan.latent_rank == 12
+    assert result.report["layers"][0]["kv_lora_rank"] == 13
+    assert check_portable_folder(tmp_path / "out") == []
+    weights = load_file(str(next((tmp_path / "out").glob("model*.safetensors"))))
+    kv_b = weights["model.layers.0.self_attn.kv_b_proj.weight"]  # (H*(d_n+d_v), 13)
+    assert torch.all(kv_b[:, -1] == 0) and kv_b[:, :-1].abs().sum() > 0  # K/V never read the stabiliser
+    assert weights["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][12].abs().sum() > 0
+    assert torch.isfinite(logits(tmp_path / "out", input_ids)).all()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mha2mla.convert.lowrank import joint_low_rank
-from mha2mla.convert.calibration import calibrated_norm
+from mha2mla.convert.calibration import calibrated_norm, stabilized_norm
 from mha2mla.convert.norm import neutralised_norm
 from mha2mla.convert.rope import interleaved_order, pair_rows, rope_coefficients, second_moment
 
@@ -59,7 +59,8 @@ class AttentionPlan:
     # methods (docs/calibration.md); with no statistics every method is weight-only
     rope_mixing: str = "activation"  # weight | activation | query  (rope.py)
     lowrank: str = "pca"  # svd | pca | whiten | score  (lowrank.py)
-    norm_calibration: str = "rms"  # portable kv_a_layernorm: rms | mean | channel  (norm.py)
+    norm_calibration: str = "rms"  # portable kv_a_layernorm: rms | mean | channel | stabilized (calibration.py)
+    stabilizer_channels: int = 0  # portable, "stabilized": latent channels that only steady the norm
 
     @property
     def rope_dim(self) -> int:
@@ -68,7 +69,7 @@ class AttentionPlan:
     @property
     def kv_lora_rank(self) -> int:
         """The config's kv_lora_rank: what the cache stores (constant channel included)."""
-        return self.latent_rank + (1 if self.profile == "exact" else 0)
+        return self.latent_rank + (1 if self.profile == "exact" else 0) + self.stabilizer_channels
 
 
 @dataclass
@@ -170,11 +171,20 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
     else:
         # --- 3'. portable: unit-RMS latent (far above any eps), norm weight calibrated ----------
         input_scale = source.input_norm_weight.to(f64)
-        norm = calibrated_norm(down, cov, None if cov is not None else input_scale,
-                               None if stats.input_sample is None else stats.input_sample.to(f64), plan.norm_calibration)
+        sample = None if stats.input_sample is None else stats.input_sample.to(f64)
+        if plan.stabilizer_channels:
+            if sample is None:
+                raise ValueError("the stabilized kv_a_layernorm needs calibration statistics")
+            norm = stabilized_norm(down, cov, sample, plan.stabilizer_channels)
+        else:
+            norm = calibrated_norm(down, cov, None if cov is not None else input_scale, sample, plan.norm_calibration)
         down = down / norm.latent_scale
         up_k, up_v = up_k * norm.latent_scale, up_v * norm.latent_scale
-        kv_a_w = torch.cat([down, k_rope_w], dim=0)  # (r+d_r, D)
+        if norm.stabilizer is not None:  # extra latent rows that kv_b_proj never reads
+            down = torch.cat([down, norm.stabilizer.to(f64)], dim=0)  # (r+k, D)
+            zeros = torch.zeros(G, d, norm.stabilizer.shape[0], dtype=f64)
+            up_k, up_v = torch.cat([up_k, zeros], dim=2), torch.cat([up_v, zeros], dim=2)
+        kv_a_w = torch.cat([down, k_rope_w], dim=0)  # (r_cfg+d_r, D)
         tensors["kv_a_layernorm.weight"] = norm.weight
         for name, bias in (("q", q_b), ("k_rope", k_b), ("v", v_b), ("o", source.o_bias)):
             if bias is not None and float(bias.abs().max()) > 0:

@@ -224,17 +224,20 @@ class LayerwiseCalibration:
         total = torch.zeros(D, dtype=torch.float64, device=self.device)
         count = 0
         flat = self.hidden.reshape(-1, D)  # (N*L, D)
-        sample_every = max(1, flat.shape[0] // INPUT_SAMPLE_TOKENS)
-        samples = []
         for start in range(0, flat.shape[0], 4096):
             x = rms_norm(flat[start : start + 4096], norm_weight, eps)  # (n, D) float32
             moment += (x.T @ x).double()  # a float32 product per chunk, accumulated in float64
             total += x.double().sum(0)
             count += x.shape[0]
-            samples.append(x[(-start) % sample_every :: sample_every])
+        # per-token sample: evenly spaced tokens plus every sequence's first (attention-sink) token
+        num_sequences, length = self.hidden.shape[:2]
+        sample_every = max(1, flat.shape[0] // INPUT_SAMPLE_TOKENS)
+        index = torch.cat([torch.arange(0, flat.shape[0], sample_every)[:INPUT_SAMPLE_TOKENS],
+                           torch.arange(0, flat.shape[0], length)]).unique().to(flat.device)
+        sample = rms_norm(flat[index], norm_weight, eps)
         return LayerStatistics(
             input_covariance=(moment / count).cpu(), input_mean=(total / count).cpu(), num_tokens=count,
-            input_sample=torch.cat(samples)[:INPUT_SAMPLE_TOKENS].cpu(),
+            input_sample=sample.cpu(),
         )
 
     @torch.no_grad()
@@ -288,7 +291,8 @@ NORM_CALIBRATIONS = ("rms", "mean", "channel")
 @dataclass
 class CalibratedNorm:
     latent_scale: float  # divide kv_a's latent rows by it (and multiply kv_b's columns): unit-RMS latents
-    weight: torch.Tensor  # (r,) kv_a_layernorm's weight
+    weight: torch.Tensor  # (r,) kv_a_layernorm's weight (r + k with stabiliser channels)
+    stabilizer: torch.Tensor | None = None  # (k, D) kv_a rows of the stabiliser channels
 
 
 def calibrated_norm(
@@ -322,3 +326,49 @@ def calibrated_norm(
         square = latent.pow(2)
         weight = (square / rho).mean(0) / (square / rho.pow(2)).mean(0).clamp_min(1e-30)
     return CalibratedNorm(latent_scale=scale, weight=weight)
+
+
+def stabilized_norm(down: torch.Tensor, input_covariance: torch.Tensor | None, input_sample: torch.Tensor,
+                    channels: int = 1, steps: int = 400) -> CalibratedNorm:
+    """kv_a_layernorm made nearly the identity with ``channels`` extra latent channels that kv_b_proj
+    never reads: their only job is to keep each token's RMS steady.
+
+    The norm divides a token's latent by its RMS. Most tokens' latents have about the same RMS, but
+    some do not — above all the attention-sink tokens (the first of a sequence), whose latent is
+    several times smaller in deep layers, so a plain norm blows their keys and values up. A
+    stabiliser channel s = a·x grows exactly where the real latent is small. Its rows ``a`` and the
+    norm weight are fitted on the calibration tokens to minimise the mean *relative* error
+    E[‖w ⊙ c/ρ([c; s]) − c‖² / ‖c‖²], which weighs the rare sink tokens as much as they matter.
+    """
+    scale = expected_rms(down, input_covariance)
+    x = input_sample.to(torch.float64)  # (n, D)
+    latent = x @ down.T / scale  # (n, r): unit RMS on average
+    n, r = latent.shape
+    total = r + channels
+    energy = latent.pow(2).sum(-1)  # (n,)
+    # start: least squares for a stabiliser that tops every token's energy up to a typical level
+    target_energy = torch.quantile(energy, 0.9)
+    target = (target_energy - energy).clamp_min(0).sqrt()  # (n,)
+    ridge = 1e-3 * x.pow(2).mean() * torch.eye(x.shape[1], dtype=x.dtype)
+    first = torch.linalg.solve(x.T @ x / n + ridge, x.T @ target / n)  # (D,)
+    rows = torch.zeros(channels, x.shape[1], dtype=x.dtype)
+    rows[0] = first
+    if channels > 1:
+        rows[1:] = 1e-3 * torch.randn(channels - 1, x.shape[1], dtype=x.dtype, generator=torch.Generator().manual_seed(0))
+    rows.requires_grad_(True)
+    log_weight = torch.zeros(r, dtype=x.dtype, requires_grad=True)
+    optimizer = torch.optim.Adam([rows, log_weight], lr=1e-2)
+
+    def relative_error():
+        stabiliser = x @ rows.T  # (n, k)
+        rho = ((energy + stabiliser.pow(2).sum(-1)) / total).sqrt().clamp_min(1e-12)  # (n,)
+        output = log_weight.exp() * latent / rho[:, None]
+        return ((output - latent).pow(2).sum(-1) / energy.clamp_min(1e-12)).mean()
+
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = relative_error()
+        loss.backward()
+        optimizer.step()
+    weight = torch.cat([log_weight.detach().exp(), torch.ones(channels, dtype=x.dtype)])
+    return CalibratedNorm(latent_scale=scale, weight=weight.to(down.dtype), stabilizer=rows.detach().to(down.dtype))

@@ -13,7 +13,7 @@ from mha2mla import UserError
 
 # the measured best methods (benchmarks/quality.py, docs/benchmarks.md), with and without calibration
 AUTO_METHODS = {
-    "calibrated": {"rope_mixing": "activation", "lowrank": "pca", "norm_calibration": "mean"},
+    "calibrated": {"rope_mixing": "activation", "lowrank": "pca", "norm_calibration": "stabilized"},
     "weight_only": {"rope_mixing": "weight", "lowrank": "svd", "norm_calibration": "rms"},
 }
 
@@ -40,7 +40,7 @@ class ConvertOptions(BaseModel):
     # methods (docs/calibration.md); `auto` = the measured best with calibration, weight-only without
     rope_mixing: Literal["auto", "weight", "activation", "query"] = "auto"
     lowrank: Literal["auto", "svd", "pca", "whiten", "score"] = "auto"
-    norm_calibration: Literal["auto", "rms", "mean", "channel"] = "auto"
+    norm_calibration: Literal["auto", "rms", "mean", "channel", "stabilized"] = "auto"
     max_shard_size: int = 2 * 1024**3
     untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (default: yes for portable)")
 

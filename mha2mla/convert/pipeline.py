@@ -205,6 +205,7 @@ def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, pro
         num_heads=plan.shape.num_heads, num_kv_heads=plan.shape.num_kv_heads, head_dim=plan.shape.head_dim,
         rope_pairs=plan.rope_pairs, latent_rank=plan.latent_rank, profile=plan.profile, dtype=dtype,
         balance=options.balance_kv, use_q_lora=plan.use_q_lora, **options.resolved_methods(statistics is not None),
+        stabilizer_channels=1 if plan.extra_channel == "stabilizer" else 0,
     )
     kv_b_weights = {}
     layers, dropped = [], set()

@@ -73,6 +73,7 @@ class ConversionPlan:
     rope_frequencies: str
     target_rope_theta: float
     latent_rank: int  # real latent channels
+    extra_channel: str | None  # "constant" (exact profile), "stabilizer" (portable, calibrated) or None
     kv_lora_rank: int  # the config's value (exact profile: + the constant channel)
     dtype: str
     use_q_lora: bool
@@ -119,7 +120,10 @@ def make_plan(config: dict, family: Family, options: ConvertOptions) -> Conversi
     if shape.head_dim % 2:
         raise UserError(f"head dim {shape.head_dim} is odd; RoPE needs an even head dim.")
     exact = options.profile == "exact"
-    constant_channels = 1 if exact else 0
+    # one extra latent channel: the exact profile's constant channel, or the portable profile's
+    # stabiliser channel (calibrated kv_a_layernorm, see calibration.stabilized_norm)
+    stabilizer = not exact and options.calib is not None and options.resolved_methods(True)["norm_calibration"] == "stabilized"
+    constant_channels = 1 if exact or stabilizer else 0
     warnings: list[str] = []
 
     source_values = shape.kv_values_per_token_per_layer
@@ -141,7 +145,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions) -> Conversi
     if latent_rank < 1:
         raise UserError(
             f"the KV budget ({kv_lora_rank + rope_dim} values per token per layer) leaves no latent channel beside "
-            f"{rope_dim} rope dims{' and the constant channel' if exact else ''}; raise --kv-budget or lower --rope-dim."
+            f"{rope_dim} rope dims{' and the extra channel' if constant_channels else ''}; raise --kv-budget or lower --rope-dim."
         )
     if latent_rank > shape.max_latent_rank:
         message = f"latent rank {latent_rank} exceeds what a layer can use ({shape.max_latent_rank}); clamped."
@@ -176,6 +180,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions) -> Conversi
         rope_frequencies=options.rope_frequencies,
         target_rope_theta=target_rope_theta(shape.rope_theta, shape.head_dim, rope_dim, options.rope_frequencies),
         latent_rank=latent_rank,
+        extra_channel="constant" if exact else ("stabilizer" if stabilizer else None),
         kv_lora_rank=kv_lora_rank,
         dtype=dtype,
         use_q_lora=exact and biases["q"],
@@ -193,7 +198,7 @@ def format_plan(plan: ConversionPlan) -> str:
     lines = [
         f"family {plan.family}, profile {plan.profile}, dtype {plan.dtype}",
         f"source: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV heads, head dim {s.head_dim}, rope theta {s.rope_theta:g}",
-        f"target: kv_lora_rank {plan.kv_lora_rank} (latent rank {plan.latent_rank}{' + constant channel' if plan.profile == 'exact' else ''}), "
+        f"target: kv_lora_rank {plan.kv_lora_rank} (latent rank {plan.latent_rank}{f' + {plan.extra_channel} channel' if plan.extra_channel else ''}), "
         f"rope dim {plan.rope_dim} ({plan.rope_frequencies} pairs {plan.rope_pairs[:4]}{'...' if len(plan.rope_pairs) > 4 else ''}), rope theta {plan.target_rope_theta:g}",
         f"per layer: r={plan.kv_lora_rank}, d_r={plan.rope_dim} for all {s.num_layers} layers (global in the config)",
         f"KV cache per token: {kv['source']:,.0f} B -> {kv['converted']:,.0f} B ({100 * kv['ratio']:.2f}% of the source)",
