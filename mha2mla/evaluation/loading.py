@@ -65,14 +65,6 @@ def _check_causal_lm_folder(folder: Path) -> None:
         )
 
 
-def _clear_gguf_quantizer(model) -> None:
-    """transformers dequantizes GGUF weights on load; drop the quantizer records so the model acts as a plain one."""
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-
-
 def check_model_spec(spec: str | Path) -> None:
     """Fail early (before any evaluation starts) on a path that can't be a causal LM."""
     if str(spec) == "default":
@@ -105,16 +97,10 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str 
     if path.is_file():
         if path.suffix != ".gguf":
             raise UserError(f"{path} is a file but not a .gguf model; pass a model folder or a .gguf file.")
+        from mha2mla.io.source import load_gguf_model
+
         kind, name = "gguf", path.stem
-        folder, gguf = str(path.parent), path.name
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch_dtype)
-        except (ValueError, OSError, KeyError) as error:
-            raise UserError(
-                f"could not load {path} as a GGUF causal LM ({str(error).splitlines()[0][:200]})."
-            ) from None
-        _clear_gguf_quantizer(model)
+        model, tokenizer = load_gguf_model(path, torch_dtype)
     elif path.is_dir():
         _check_causal_lm_folder(path)
         kind, name = "folder", path.name

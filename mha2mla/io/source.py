@@ -25,15 +25,16 @@ def _gguf_cache_folder(gguf_path: Path) -> Path:
     return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
 
 
-def load_gguf_model(gguf_path: str | Path, dtype=None):
-    """Load a .gguf file with transformers (dequantised) as a plain, unquantised model and its tokenizer."""
+def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
+    """Load a .gguf file with transformers (dequantised) as a plain, unquantised model and its tokenizer.
+    ``model_kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = Path(gguf_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype or torch.float32
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype or torch.float32, **model_kwargs
         )
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as error:

@@ -90,12 +90,10 @@ def load_teacher(source: str, attn_implementation: str = "sdpa", dtype: torch.dt
 
     path = check_teacher_path(source)
     impl = "sdpa" if attn_implementation == TRITON_ATTENTION else attn_implementation  # the source is MHA/GQA
-    if path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=impl)
-        # a dequantized GGUF model is a plain float model (DESIGN §6)
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+    if path.is_file():  # a dequantized GGUF model is a plain float model (DESIGN §6)
+        from mha2mla.io.source import load_gguf_model
+
+        model, _ = load_gguf_model(path, dtype, attn_implementation=impl)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=impl)
     model.config.use_cache = False
