@@ -148,14 +148,14 @@ def main(argv=None) -> int:
     for case in prefill:
         try:
             results.append(prefill_case(*case))
-        except Exception as error:  # noqa: BLE001 -- keep going: one failing shape must not hide the others
+        except Exception as error:
             results.append({"kind": "prefill", "name": case[0], "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(results[-1]), flush=True)
         torch.cuda.empty_cache()
     for case in decode:
         try:
             results.append(decode_case(*case, hbm_tb_s=args.hbm_tb_s))
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             results.append({"kind": "decode", "name": case[0], "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(results[-1]), flush=True)
         torch.cuda.empty_cache()

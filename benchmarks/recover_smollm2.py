@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
 
-from mha2mla.data import assets
+from mha2mla.data import assets  # noqa: E402  (after sys.path and MHA2MLA_CACHE are set)
 
 TRAIN_FRACTION = 0.30
 CONVERTED = Path(os.environ.get("RECOVER_CONVERTED", assets.cache_dir() / "converted" / "smollm2-135m-kv0.125"))

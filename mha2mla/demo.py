@@ -20,8 +20,7 @@ def main() -> None:
     from mha2mla.convert.options import ConvertOptions
     from mha2mla.convert.pipeline import convert
     from mha2mla.convert.plan import format_plan
-    from mha2mla.data.assets import cache_dir, default_model_gguf
-    from mha2mla.data.assets import held_out_token_ids
+    from mha2mla.data.assets import cache_dir, default_model_gguf, held_out_token_ids
     from mha2mla.evaluation.perplexity import window_perplexity
     from mha2mla.io.source import resolve_source
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from common import build_source
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common import build_source
 from mha2mla import UserError
 from mha2mla.convert.calibration import (
     LayerwiseCalibration,
@@ -91,8 +91,8 @@ def test_sequential_statistics_follow_the_converted_layer(sources):
 
         class Recording(LayerwiseCalibration):
             def __call__(self, layer):
-                seen[layer] = super().__call__(layer)
-                return seen[layer]
+                seen[layer] = super().__call__(layer)  # noqa: B023  (used within this iteration only)
+                return seen[layer]  # noqa: B023
 
         ckpt = open_source(folder)
         family = family_for_config(ckpt.config)

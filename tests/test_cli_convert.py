@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from common import build_source
 from safetensors.torch import load_file, save_file
 
-from common import build_source
 from mha2mla.cli.main import main
 
 

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from common import build_source
 from transformers import AutoModelForCausalLM
 
-from common import build_source
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.pipeline import convert
 from mha2mla.convert.portable import check_portable_folder, portable_violations

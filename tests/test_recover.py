@@ -132,7 +132,7 @@ def test_merged_output_has_the_peft_models_logits(tiny_model, tmp_path):
     model = make_trainable(load_student(tiny_model), config)
     torch.manual_seed(5)
     with torch.no_grad():  # a trained-looking adapter: non-zero B matrices and moved norms
-        for name, param in model.named_parameters():
+        for _name, param in model.named_parameters():
             if param.requires_grad:
                 param.add_(0.2 * torch.randn_like(param))
     assert any("kv_a_layernorm" in n for n, p in model.named_parameters() if p.requires_grad)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha2mla.convert.lowrank import joint_low_rank
 from mha2mla.convert.calibration import calibrated_norm, stabilized_norm
+from mha2mla.convert.lowrank import joint_low_rank
 from mha2mla.convert.norm import neutralised_norm
 from mha2mla.convert.rope import interleaved_order, pair_rows, rope_coefficients, second_moment
 

@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mha2mla import UserError
 
-
 # the measured best methods (benchmarks/quality.py, docs/benchmarks.md), with and without calibration
 AUTO_METHODS = {
     "calibrated": {"rope_mixing": "activation", "lowrank": "pca", "norm_calibration": "stabilized"},

@@ -15,9 +15,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from mha2mla import UserError, __version__
 from mha2mla.convert.attention import AttentionPlan, LayerStatistics, SourceAttention, convert_attention

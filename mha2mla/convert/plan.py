@@ -29,7 +29,7 @@ class SourceShape:
     intermediate_size: int
 
     @classmethod
-    def from_config(cls, config: dict) -> "SourceShape":
+    def from_config(cls, config: dict) -> SourceShape:
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         rope = config.get("rope_parameters") or {}

@@ -86,7 +86,7 @@ class _CheckpointReader:
         for name in files:
             handle = safe_open(str(folder / name), framework="pt")
             self._handles.append(handle)
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+            for key in handle.keys():
                 self._where[key] = handle
 
     def __contains__(self, name: str) -> bool:

@@ -113,7 +113,7 @@ def _documents_in_file(path: Path, text_field: str) -> Iterator[str]:
         raise UserError("reading .parquet needs pyarrow; install mha2mla[parquet].") from None
     try:
         table = pq.read_table(path, columns=[text_field])
-    except Exception as error:  # noqa: BLE001 - pyarrow raises many kinds
+    except Exception as error:
         raise UserError(f"cannot read column {text_field!r} from {path} ({str(error).splitlines()[0]}).") from None
     texts = [t for t in table.column(text_field).to_pylist() if isinstance(t, str) and t.strip()]
     if not texts:
@@ -137,7 +137,7 @@ def _documents_in_hub_dataset(dataset_id: str, text_field: str) -> Iterator[str]
                 yield text
     except UserError:
         raise
-    except Exception as error:  # noqa: BLE001 - network, auth, missing dataset
+    except Exception as error:
         raise UserError(
             f"cannot stream dataset {dataset_id!r} ({str(error).splitlines()[0][:200]}); "
             "check the id and network access, or pass local files."
