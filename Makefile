@@ -7,8 +7,10 @@ PIP := $(PY) -m pip
 export MHA2MLA_CACHE ?= $(CURDIR)/.cache
 # torch: the CPU build on machines without CUDA (never a multi-GB CUDA download there).
 TORCH_VERSION ?= 2.13.0
-# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url <a CPU wheel index>" elsewhere.
+# Extra pip arguments for torch (e.g. a local wheel folder: TORCH_PIP_ARGS="--find-links DIR").
 TORCH_PIP_ARGS ?=
+# Where the CPU builds of torch live when no local or configured index has one.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: setup assets demo test test-slow bench lint clean
@@ -21,8 +23,8 @@ $(VENV)/.installed: pyproject.toml
 ifeq ($(HAS_CUDA),1)
 	$(PIP) install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
 else
-	$(PIP) install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS) || \
-	  $(PIP) install -q "torch==$(TORCH_VERSION)+cpu" $(TORCH_PIP_ARGS)
+	$(PIP) install -q "torch==$(TORCH_VERSION)+cpu" $(TORCH_PIP_ARGS) || \
+	  $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) $(TORCH_PIP_ARGS)
 endif
 	$(PIP) install -q -e ".[dev,parquet]"
 	touch $@
