@@ -67,12 +67,9 @@ def source_config(
     return AutoConfig.for_model(family, **kwargs)
 
 
-def build_source(path: Path, family: str = "llama", seed: int = 0, with_tokenizer: bool = True, **config_kwargs) -> Path:
-    """Save a random source model of ``family`` (safetensors) and a tiny tokenizer to ``path``."""
-    torch.manual_seed(seed)
-    config = source_config(family, **config_kwargs)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger-than-default weights so attention patterns are far from uniform
+def randomize_weights(model) -> None:
+    """Larger-than-default random weights: peaked attention patterns, logits of several units."""
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
@@ -80,6 +77,21 @@ def build_source(path: Path, family: str = "llama", seed: int = 0, with_tokenize
                 param.copy_(0.5 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
+
+
+def logits(folder, input_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the model saved in ``folder``."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def build_source(path: Path, family: str = "llama", seed: int = 0, with_tokenizer: bool = True, **config_kwargs) -> Path:
+    """Save a random source model of ``family`` (safetensors) and a tiny tokenizer to ``path``."""
+    torch.manual_seed(seed)
+    config = source_config(family, **config_kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_weights(model)
     model.save_pretrained(path)
     if with_tokenizer:
         tiny_tokenizer().save_pretrained(path)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from common import build_source
+from common import build_source, logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla import UserError
@@ -41,12 +41,6 @@ def sources(tmp_path_factory):
 @pytest.fixture(scope="module")
 def input_ids():
     return torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))
-
-
-def logits(folder, ids):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids).logits
 
 
 def direct_statistics(folder, tokens, layer):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from common import build_source
+from common import build_source, logits
 from transformers import AutoModelForCausalLM
 
 from mha2mla.convert.options import ConvertOptions
@@ -37,12 +37,6 @@ def sources(tmp_path_factory):
 @pytest.fixture(scope="session")
 def input_ids():
     return torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))
-
-
-def logits(folder, ids):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids).logits
 
 
 def full_capacity(num_kv_heads: int, profile: str) -> ConvertOptions:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from common import tiny_deepseek_config, tiny_tokenizer
+from common import randomize_weights, tiny_deepseek_config, tiny_tokenizer
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from mha2mla import UserError
@@ -25,14 +25,7 @@ def _save_random_mla(folder, seed: int = 0, with_absorbed: bool = True, **config
     torch.manual_seed(seed)
     config = tiny_deepseek_config(**config_kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # larger-than-default weights: peaked attention, logits of several units
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(0.5 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.15)
+    randomize_weights(model)
     model.save_pretrained(folder)
     if with_absorbed:
         write_absorbed(folder, model.state_dict(), config)
