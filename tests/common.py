@@ -86,6 +86,27 @@ def logits(folder, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids).logits
 
 
+def run_cli(args, capsys) -> tuple[int, str, str]:
+    """Run ``mha2mla ARGS`` in-process through the real entry point: (exit code, stdout, stderr).
+    Output printed before the call (fixtures' progress bars) is discarded."""
+    import sys
+
+    from mha2mla.cli.main import main
+
+    capsys.readouterr()
+    old_argv = sys.argv
+    sys.argv = ["mha2mla", *map(str, args)]
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        sys.argv = old_argv
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def build_source(path: Path, family: str = "llama", seed: int = 0, with_tokenizer: bool = True, **config_kwargs) -> Path:
     """Save a random source model of ``family`` (safetensors) and a tiny tokenizer to ``path``."""
     torch.manual_seed(seed)

@@ -4,29 +4,11 @@ non-zero exit and no output folder left behind."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from common import build_source
+from common import build_source, run_cli
 from safetensors.torch import load_file, save_file
-
-from mha2mla.cli.main import main
-
-
-def run_cli(args, capsys):
-    capsys.readouterr()  # discard what fixtures printed
-    old_argv = sys.argv
-    sys.argv = ["mha2mla", *map(str, args)]
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    finally:
-        sys.argv = old_argv
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from common import randomize_weights, tiny_deepseek_config, tiny_tokenizer
+from common import randomize_weights, run_cli, tiny_deepseek_config, tiny_tokenizer
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from mha2mla import UserError
@@ -143,35 +143,20 @@ def test_streamed_text_is_the_final_text(checkpoint):
         assert result.text and "".join(pieces[row]) == result.text
 
 
-def _run_cli(argv, capsys):
-    from mha2mla.cli.main import main
-
-    old = sys.argv
-    sys.argv = ["mha2mla", *argv]
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code or 0
-    finally:
-        sys.argv = old
-    return code, capsys.readouterr()
-
-
 def test_cli_streams_generated_text(checkpoint, capsys):
     folder, _, engine = checkpoint
     [expected] = engine.generate(["the latent "], max_new_tokens=10, eos_token_ids=[])
-    code, out = _run_cli(["generate", str(folder), "--prompt", "the latent ", "--max-new-tokens", "10",
-                          "--ignore-eos"], capsys)
-    assert code == 0, out.err
-    assert out.out.rstrip("\n") == expected.text
+    code, out, err = run_cli(["generate", folder, "--prompt", "the latent ", "--max-new-tokens", "10",
+                              "--ignore-eos"], capsys)
+    assert code == 0, err
+    assert out.rstrip("\n") == expected.text
 
 
 def test_cli_without_absorbed_weights_says_so(tmp_path, capsys):
     _save_random_mla(tmp_path, with_absorbed=False)
-    code, out = _run_cli(["generate", str(tmp_path), "--prompt", "hi"], capsys)
+    code, _, err = run_cli(["generate", tmp_path, "--prompt", "hi"], capsys)
     assert code == 2
-    assert "no absorbed weights" in out.err and "Traceback" not in out.err
+    assert "no absorbed weights" in err and "Traceback" not in err
     with pytest.raises(UserError):
         MLAEngine.from_pretrained(tmp_path)
 
