@@ -1,7 +1,7 @@
 """Training-free conversion quality: held-out perplexity of converted models, per KV budget and method.
 
     OMP_NUM_THREADS=1 MHA2MLA_CACHE=.cache python benchmarks/quality.py \\
-        --budgets 0.3125 0.1875 0.125 --methods weight-svd act-pca act-pca-seq score-seq --profiles exact
+        --budgets 0.3125 0.1875 0.125 --methods weight-svd act-pca act-attention-seq --profiles exact
 
 For each budget, method and profile it converts the model (default: SmolLM2-135M-Instruct from the
 cached GGUF), loads the result with transformers and scores the held-out KJV and Python-docs slices
@@ -24,14 +24,19 @@ import torch
 
 # name -> ConvertOptions fields (calib is added from --calib when a method is calibrated)
 METHODS: dict[str, dict] = {
-    "weight-svd": {"rope_mixing": "weight", "lowrank": "svd", "norm_calibration": "rms"},
-    "weight-score": {"rope_mixing": "weight", "lowrank": "score", "norm_calibration": "rms"},
-    "act-pca": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca"},
-    "act-whiten": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "whiten"},
-    "act-pca-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "pca"},
-    "score": {"calib": True, "calib_sequential": False, "rope_mixing": "query", "lowrank": "score"},
-    "score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "query", "lowrank": "score"},
-    "act-score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "score"},
+    "weight-svd": {"rope_mixing": "weight", "lowrank": "svd", "rope_compensation": "none", "norm_calibration": "rms"},
+    "weight-score": {"rope_mixing": "weight", "lowrank": "score", "rope_compensation": "none", "norm_calibration": "rms"},
+    "act-pca": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "none"},
+    "act-whiten": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "whiten", "rope_compensation": "none"},
+    "act-pca-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "none"},
+    "score": {"calib": True, "calib_sequential": False, "rope_mixing": "query", "lowrank": "score", "rope_compensation": "none"},
+    "score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "query", "lowrank": "score", "rope_compensation": "none"},
+    "act-score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "score", "rope_compensation": "none"},
+    # dropped rotations replaced by their attention-weighted mean (attention.compensate_dropped_rotations)
+    "act-pca-mean": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "mean"},
+    # + the attention-aware latent and per-head up-projections (lowrank.attention_aware_low_rank): the default
+    "act-attention": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean"},
+    "act-attention-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean"},
 }
 SLICES = ("kjv", "python_docs")
 
@@ -86,6 +91,11 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         ckpt = open_source(source)
         plan = make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(profile=profile, kv_budget=budget))
         options.update(kv_budget=None, rope_dim=rope_dim, kv_lora_rank=plan.kv_lora_rank + plan.rope_dim - rope_dim)
+    if args.full_rank:  # no low-rank loss: only the rope cut (at the rope dim given) remains
+        ckpt = open_source(source)
+        plan = make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(profile=profile, kv_budget=budget))
+        full = 2 * plan.shape.num_kv_heads * plan.shape.head_dim + plan.kv_lora_rank - plan.latent_rank
+        options.update(kv_budget=None, rope_dim=rope_dim or plan.rope_dim, kv_lora_rank=full)
     options = ConvertOptions(**options)
     statistics = None
     if options.calib is not None and not options.calib_sequential:
@@ -127,12 +137,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="source model (default: the cached SmolLM2-135M GGUF)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.3125, 0.1875, 0.125])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["weight-svd", "act-pca", "act-attention-seq"], choices=list(METHODS))
     parser.add_argument("--profiles", nargs="+", default=["exact", "portable"], choices=["exact", "portable"])
     parser.add_argument("--rope-dims", type=int, nargs="+", default=None, help="rope/rank splits to sweep (same total)")
+    parser.add_argument("--full-rank", action="store_true", help="keep the full latent rank (measures the rope cut alone)")
     parser.add_argument("--norm-calibration", default="auto", choices=["auto", "rms", "mean", "channel", "stabilized"])
     parser.add_argument("--calib", default="default")
-    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=256)
     parser.add_argument("--slices", nargs="+", default=list(SLICES), choices=list(SLICES))
     parser.add_argument("--windows", type=int, default=32, help="512-token windows per slice (32 = the acceptance slices)")

@@ -73,6 +73,48 @@ def test_statistics_equal_a_direct_computation(sources, layer):
     assert stats.input_sample.shape == (3 * 24, HIDDEN)
 
 
+def direct_attention_statistics(folder, tokens, layer, query_stride, key_stride, key_dense, key_power):
+    """Per query head: E[x̄ x̄ᵀ], the attention-received-weighted E[x xᵀ] and the distance histogram,
+    from the source model run whole with eager attention (its returned probabilities)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(tokens, output_hidden_states=True, output_attentions=True)
+        x = model.model.layers[layer].input_layernorm(out.hidden_states[layer]).double()  # (N, L, D)
+        p = out.attentions[layer].double()  # (N, H, L, L)
+    N, H, L, _ = p.shape
+    averaged = p[:, :, ::query_stride] @ x[:, None]  # (N, H, L/s, D)
+    values = torch.einsum("nhqd,nhqe->hde", averaged, averaged) / (N * averaged.shape[2])
+    keys = list(range(min(key_dense, L))) + list(range(key_dense, L, key_stride))  # dense start, then strided
+    share = torch.tensor([1.0 if j < key_dense else float(key_stride) for j in keys], dtype=torch.float64)
+    weight = p.sum(2)[:, :, keys] ** key_power * share  # (N, H, k)
+    xs = x[:, keys]
+    keys = torch.einsum("nhk,nkd,nke->hde", weight, xs, xs) / weight.sum((0, 2))[:, None, None]
+    histogram = torch.zeros(H, L, dtype=torch.float64)
+    for i in range(L):
+        for j in range(i + 1):
+            histogram[:, i - j] += p[:, :, i, j].sum(0)
+    return values, keys, histogram / histogram.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_attention_statistics_equal_a_direct_computation(sources, layer):
+    from mha2mla.convert import calibration
+
+    tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(5))
+    stats = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)(layer)
+    values, keys, histogram = direct_attention_statistics(
+        sources["llama_gqa"], tokens, layer, calibration.QUERY_STRIDE, calibration.KEY_STRIDE, calibration.KEY_DENSE,
+        calibration.KEY_WEIGHT_POWER)
+    assert stats.value_covariances.shape == (4, HIDDEN, HIDDEN)
+    torch.testing.assert_close(stats.value_covariances.double(), values, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stats.key_covariances.double(), keys, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stats.distance_histogram, histogram, rtol=1e-4, atol=1e-6)
+    config = json.loads((sources["llama_gqa"] / "config.json").read_text())
+    theta = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    expected = theta ** (-torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    torch.testing.assert_close(stats.pair_frequencies, expected, rtol=1e-6, atol=0)
+
+
 def test_sequential_statistics_follow_the_converted_layer(sources):
     """Layer 1's statistics come from the converted layer 0: equal to the source's when that layer is
     exact (MQA, full capacity), different when it is cut to a low rank."""
@@ -115,6 +157,8 @@ METHOD_GRID = [
     dict(rope_mixing="activation", lowrank="whiten", calib_sequential=True),
     dict(rope_mixing="query", lowrank="score", calib_sequential=True),
     dict(rope_mixing="query", lowrank="score", calib_sequential=False),
+    dict(rope_mixing="activation", lowrank="attention", rope_compensation="mean", calib_sequential=False),
+    dict(rope_mixing="activation", lowrank="attention", rope_compensation="mean", calib_sequential=True),
 ]
 
 
@@ -180,6 +224,60 @@ def test_score_method_lowers_the_score_error_it_targets():
     pca = joint_low_rank(key, value, 6, covariance, method="pca")
     score = joint_low_rank(key, value, 6, covariance, method="score", key_metric=anisotropic, value_metric=identity)
     assert score_error(score) < score_error(pca)
+
+
+def test_mean_rotation_stands_in_for_the_dropped_rotation():
+    """q' · k with q' from compensate_dropped_rotations equals the histogram-weighted mean of the real
+    rotated score q_m · k_n over distances m - n (transformers' own rotary), for every pair."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from mha2mla.convert.attention import compensate_dropped_rotations
+
+    generator = torch.Generator().manual_seed(4)
+    H, d, L = 2, 8, 12
+    frequencies = 1.0 / 100.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    histogram = torch.rand(H, L, dtype=torch.float64, generator=generator)
+    q = torch.randn(H, d, dtype=torch.float64, generator=generator)
+    k = torch.randn(H, d, dtype=torch.float64, generator=generator)
+    compensated, _ = compensate_dropped_rotations(q[:, :, None], None, histogram, frequencies)  # rows of a (H, d, 1) "weight"
+    angles = torch.arange(L, dtype=torch.float64)[:, None] * frequencies[None]  # (L, d/2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (L, d)
+    for h in range(H):
+        # query at position Δ, key at position 0
+        q_rot, _ = apply_rotary_pos_emb(q[h].expand(L, d)[None, None], q[h].expand(L, d)[None, None], cos[None], sin[None])
+        k_rot, _ = apply_rotary_pos_emb(k[h].expand(L, d)[None, None], k[h].expand(L, d)[None, None], cos[None], sin[None])
+        scores = (q_rot[0, 0] * k_rot[0, 0, :1]).sum(-1)  # (L,): q_Δ · k_0
+        expected = (histogram[h] / histogram[h].sum() * scores).sum()
+        assert float(compensated[h, :, 0] @ k[h]) == pytest.approx(float(expected), rel=1e-10)
+
+
+def test_attention_aware_low_rank_captures_more_and_is_exact_at_full_rank():
+    from mha2mla.convert.lowrank import attention_aware_low_rank
+
+    generator = torch.Generator().manual_seed(6)
+    G, H, d, D = 2, 4, 6, 40
+    key = torch.randn(G, d, D, dtype=torch.float64, generator=generator)
+    value = torch.randn(G, d, D, dtype=torch.float64, generator=generator)
+    x = torch.randn(2000, D, dtype=torch.float64, generator=generator) * torch.linspace(0.2, 2, D, dtype=torch.float64)
+    covariance = x.T @ x / 2000
+    smooth = [torch.softmax(torch.randn(2000, 2000, dtype=torch.float64, generator=generator)[:200], -1) @ x for _ in range(H)]
+    value_covariances = torch.stack([a.T @ a / 200 for a in smooth])  # (H, D, D): averaged inputs, differently per head
+    up_k, up_v, down = attention_aware_low_rank(key, value, 2 * G * d, covariance, value_covariances)
+    for h in range(H):  # full rank: exact for every head
+        torch.testing.assert_close(up_k[h] @ down, key[h // 2], rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(up_v[h] @ down, value[h // 2], rtol=1e-7, atol=1e-7)
+
+    def relative_error(up_k, up_v, down):  # K on single tokens, V on each head's own averaged inputs
+        def error(up, rows, covariances):
+            errors = up @ down - rows.repeat_interleave(2, 0)  # (H, d, D)
+            return sum(float(torch.einsum("ij,jk,ik->", e, c, e)) / float(torch.einsum("ij,jk,ik->", t, c, t))
+                       for e, t, c in zip(errors, rows.repeat_interleave(2, 0), covariances))
+        return error(up_k, key, covariance.expand(H, D, D)) + error(up_v, value, value_covariances)
+
+    pca = joint_low_rank(key.reshape(-1, D), value.reshape(-1, D), 5, covariance)
+    pca_up = pca.up.view(2, G, d, -1).repeat_interleave(2, 1)  # (K|V, H, d, r)
+    assert relative_error(*attention_aware_low_rank(key, value, 5, covariance, value_covariances)) \
+        < relative_error(pca_up[0], pca_up[1], pca.down)
 
 
 def test_query_weighted_rope_coefficients():

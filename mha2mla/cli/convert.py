@@ -22,11 +22,12 @@ def convert_command(
     calib: Optional[str] = typer.Option(None, help="Calibration text (file, folder or dataset id) for activation-aware initialisation."),
     calib_samples: Optional[int] = typer.Option(None, help="Calibration sequences."),
     calib_seq_len: Optional[int] = typer.Option(None, help="Tokens per calibration sequence."),
-    calib_sequential: Optional[bool] = typer.Option(None, "--calib-sequential/--calib-source", help="Calibrate each layer on the converted layers' outputs, or on the source model's (default)."),
+    calib_sequential: Optional[bool] = typer.Option(None, "--calib-sequential/--calib-source", help="Calibrate each layer on the converted layers' outputs (default), or on the source model's."),
     calib_device: Optional[str] = typer.Option(None, help="Device for the calibration forwards (default: cuda if available, else cpu)."),
     rope_mixing: Optional[str] = typer.Option(None, help="RoPE head mixing: auto, weight, activation or query (docs/calibration.md)."),
-    lowrank: Optional[str] = typer.Option(None, help="Joint low rank of [K_nope; V]: auto, svd, pca, whiten or score (docs/calibration.md)."),
-    norm_calibration: Optional[str] = typer.Option(None, help="Portable kv_a_layernorm weight: auto, rms, mean or channel."),
+    lowrank: Optional[str] = typer.Option(None, help="Joint low rank of [K_nope; V]: auto, svd, pca, whiten, score or attention (docs/calibration.md)."),
+    rope_compensation: Optional[str] = typer.Option(None, help="Dropped rotations: auto, none, or mean (their attention-weighted mean on the query side; calibrated)."),
+    norm_calibration: Optional[str] = typer.Option(None, help="Portable kv_a_layernorm weight: auto, rms, mean, channel or stabilized."),
     recipe: Optional[Path] = typer.Option(None, help="A recipe YAML holding these options (flags given here win)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (ranks, KV bytes/token, parameters) and write nothing."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
@@ -46,7 +47,7 @@ def convert_command(
         loaded, profile=profile, kv_budget=kv_budget, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
         rope_frequencies=rope_frequencies, dtype=dtype, calib=calib, calib_samples=calib_samples,
         calib_seq_len=calib_seq_len, calib_sequential=calib_sequential, calib_device=calib_device,
-        rope_mixing=rope_mixing, lowrank=lowrank, norm_calibration=norm_calibration,
+        rope_mixing=rope_mixing, lowrank=lowrank, rope_compensation=rope_compensation, norm_calibration=norm_calibration,
     )
     result = convert(source, out, options, force=force, dry_run=dry_run, progress=progress)
     typer.echo(format_plan(result.plan))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mha2mla.convert.calibration import calibrated_norm, stabilized_norm
-from mha2mla.convert.lowrank import joint_low_rank
+from mha2mla.convert.lowrank import attention_aware_low_rank, joint_low_rank
 from mha2mla.convert.norm import neutralised_norm
 from mha2mla.convert.rope import interleaved_order, pair_rows, rope_coefficients, second_moment
 
@@ -30,6 +30,10 @@ class LayerStatistics:
     input_mean: torch.Tensor | None = None  # (D,)
     num_tokens: int = 0
     input_sample: torch.Tensor | None = None  # (n, D) some of the tokens' x, for per-token statistics
+    value_covariances: torch.Tensor | None = None  # (H, D, D): E[x̄ x̄ᵀ], x̄ = a head's attention-weighted x
+    key_covariances: torch.Tensor | None = None  # (H, D, D): key-side input moments per head
+    distance_histogram: torch.Tensor | None = None  # (H, L): source attention mass at each query-key distance
+    pair_frequencies: torch.Tensor | None = None  # (d/2,): the source's rotation frequency of each pair
 
 
 @dataclass
@@ -58,9 +62,10 @@ class AttentionPlan:
     use_q_lora: bool = False  # exact profile with a q bias: q through q_a_proj (bias) + neutralised norm
     # methods (docs/calibration.md); with no statistics every method is weight-only
     rope_mixing: str = "activation"  # weight | activation | query  (rope.py)
-    lowrank: str = "pca"  # svd | pca | whiten | score  (lowrank.py)
+    lowrank: str = "pca"  # svd | pca | whiten | score | attention  (lowrank.py)
     norm_calibration: str = "rms"  # portable kv_a_layernorm: rms | mean | channel | stabilized (calibration.py)
     stabilizer_channels: int = 0  # portable, "stabilized": latent channels that only steady the norm
+    rope_compensation: str = "none"  # none | mean: what stands in for a dropped rotation (attention.py)
 
     @property
     def rope_dim(self) -> int:
@@ -79,6 +84,45 @@ class ConvertedAttention:
     dropped_biases: list[str] = field(default_factory=list)
 
 
+def mean_rotation(histogram: torch.Tensor, frequencies) -> tuple[torch.Tensor, torch.Tensor]:
+    """E[cos Δθ], E[sin Δθ] per head and pair under the distance distribution ``histogram`` (H, L)."""
+    histogram = histogram.to(torch.float64)
+    histogram = histogram / histogram.sum(-1, keepdim=True).clamp_min(1e-30)
+    distance = torch.arange(histogram.shape[-1], dtype=torch.float64)
+    angle = distance[:, None] * torch.as_tensor(frequencies, dtype=torch.float64)[None]  # (L, P)
+    return histogram @ angle.cos(), histogram @ angle.sin()  # (H, P) each
+
+
+def compensate_dropped_rotations(q_w, q_b, histogram, frequencies):
+    """Query rows whose key lost its rotation read the key through E[R(-Δθ)] instead of the identity.
+
+    With both sides rotated, q_m·k_n = qᵀ R(-Δθ) k for Δ = m - n. Once k loses its rotation (NoPE
+    content) the best constant stand-in, over distances weighted by the source's attention, is
+    A = E[R(-Δθ)] = [[C, S], [-S, C]]; the query takes Aᵀ q."""
+    H, d, D = q_w.shape
+    half = d // 2
+    C, S = mean_rotation(histogram, frequencies)  # (H, half)
+    first, second = q_w[:, :half], q_w[:, half:]
+    out = torch.cat([C[..., None] * first - S[..., None] * second, S[..., None] * first + C[..., None] * second], dim=1)
+    out_b = None
+    if q_b is not None:
+        b1, b2 = q_b[:, :half], q_b[:, half:]
+        out_b = torch.cat([C * b1 - S * b2, S * b1 + C * b2], dim=1)
+    return out, out_b
+
+
+def relative_error(up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor, cov: torch.Tensor | None) -> float:
+    """sqrt(Σ_h E‖(U_h W − T_g(h)) x‖² / Σ_h E‖T_g(h) x‖²) for per-head ``up`` (H, d, r), ``rows`` (G, d, D)."""
+    target = rows.repeat_interleave(up.shape[0] // rows.shape[0], dim=0)  # (H, d, D)
+    error = up @ down - target
+    if cov is None:
+        num, den = float((error * error).sum()), float((target * target).sum())
+    else:
+        num = float(torch.einsum("hdi,ij,hdj->", error, cov, error))
+        den = float(torch.einsum("hdi,ij,hdj->", target, cov, target))
+    return (num / den) ** 0.5 if den > 0 else 0.0
+
+
 def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: LayerStatistics | None = None) -> ConvertedAttention:
     stats = stats or LayerStatistics()
     f64 = torch.float64
@@ -95,6 +139,10 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
     q_b = None if source.q_bias is None else source.q_bias.to(f64).view(H, d)
     k_b = None if source.k_bias is None else source.k_bias.to(f64).view(G, d)
     v_b = None if source.v_bias is None else source.v_bias.to(f64)
+
+    q_nope_w, q_nope_b = q_w, q_b  # what reads the NoPE content
+    if plan.rope_compensation == "mean" and stats.distance_histogram is not None:
+        q_nope_w, q_nope_b = compensate_dropped_rotations(q_w, q_b, stats.distance_histogram, stats.pair_frequencies)
 
     # softmax scale (d_n + d_r)^-0.5 instead of d^-0.5: fold the ratio into the query rows
     q_scale = ((d + d_r) / d) ** 0.5
@@ -133,23 +181,40 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
 
     # query rows per head: [q_nope (d) ; q_rope (d_r, interleaved)]
     q_rope_w = q_w[:, rope_rows, :] * q_rope_coeff.repeat_interleave(2, dim=0).T[:, :, None]  # (H, d_r, D)
-    q_target_w = torch.cat([q_w, q_rope_w], dim=1) * q_scale  # (H, d+d_r, D)
+    q_target_w = torch.cat([q_nope_w, q_rope_w], dim=1) * q_scale  # (H, d+d_r, D)
     q_target_b = None
     if q_b is not None:
         q_rope_b = q_b[:, rope_rows] * q_rope_coeff.repeat_interleave(2, dim=0).T  # (H, d_r)
-        q_target_b = torch.cat([q_b, q_rope_b], dim=1) * q_scale  # (H, d+d_r)
+        q_target_b = torch.cat([q_nope_b, q_rope_b], dim=1) * q_scale  # (H, d+d_r)
 
     # --- 2. joint low rank of [K_nope; V] -------------------------------------------------------
     key_metric = value_metric = None
     if plan.lowrank == "score":
-        key_metric = q_moment.view(G, heads_per_group, d, d).sum(1)  # (G, d, d): Σ_h E[q_h q_hᵀ]
+        nope_moment = torch.stack([
+            second_moment(q_nope_w[h], None if q_nope_b is None else q_nope_b[h], cov, mean) for h in range(H)])
+        key_metric = nope_moment.view(G, heads_per_group, d, d).sum(1)  # (G, d, d): Σ_h E[q_h q_hᵀ]
         o_heads = source.o_weight.to(f64).view(D, G, heads_per_group, d)  # (D, G, H/G, d)
         value_metric = torch.einsum("Dghi,Dghj->gij", o_heads, o_heads)  # (G, d, d): Σ_h W_o,hᵀ W_o,h
-    factors = joint_low_rank(key_nope_w.reshape(G * d, D), v_w, plan.latent_rank, cov, balance=plan.balance,
-                             method=plan.lowrank, key_metric=key_metric, value_metric=value_metric)
-    up_k = factors.up[: G * d].view(G, d, -1)  # (G, d, r)
-    up_v = factors.up[G * d :].view(G, d, -1)  # (G, d, r)
-    down = factors.down  # (r, D)
+    key_row_weight = None
+    if plan.rope_compensation == "mean" and stats.distance_histogram is not None:
+        # what survives of each NoPE key row once its reader takes Aᵀq: |A|² = C² + S² per pair (the
+        # latent need not spend rank on rows whose rotation averaged away)
+        C, S = mean_rotation(stats.distance_histogram, stats.pair_frequencies)  # (H, d/2)
+        surviving = (C * C + S * S).view(G, heads_per_group, -1).mean(1)  # (G, d/2)
+        key_row_weight = torch.cat([surviving, surviving], dim=1).sqrt()  # (G, d): rows i and i + d/2 of pair i
+    if plan.lowrank == "attention" and stats.value_covariances is not None:
+        up_k, up_v, down = attention_aware_low_rank(
+            key_nope_w, v_w.view(G, d, D), plan.latent_rank, cov, stats.value_covariances, stats.key_covariances,
+            key_row_weight=key_row_weight)
+    else:  # one up-projection per KV group, shared by its query heads
+        factors = joint_low_rank(key_nope_w.reshape(G * d, D), v_w, plan.latent_rank, cov, balance=plan.balance,
+                                 method="pca" if plan.lowrank == "attention" else plan.lowrank,
+                                 key_metric=key_metric, value_metric=value_metric)
+        up_k = factors.up[: G * d].view(G, d, -1).repeat_interleave(heads_per_group, dim=0)  # (H, d, r)
+        up_v = factors.up[G * d :].view(G, d, -1).repeat_interleave(heads_per_group, dim=0)  # (H, d, r)
+        down = factors.down  # (r, D)
+    key_error = relative_error(up_k, down, key_nope_w, cov)
+    value_error = relative_error(up_v, down, v_w.view(G, d, D), cov)
 
     tensors: dict[str, torch.Tensor] = {}
     dropped: list[str] = []
@@ -163,7 +228,8 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
         kv_a_b = torch.cat([torch.zeros(r, dtype=f64), norm.bias_value.to(f64).view(1), k_rope_b])
         const_k = key_nope_b if key_nope_b is not None else torch.zeros(G, d, dtype=f64)
         const_v = v_b.view(G, d) if v_b is not None else torch.zeros(G, d, dtype=f64)
-        up_k = torch.cat([up_k / norm.real_scale, const_k[:, :, None] / norm.constant_value], dim=2)  # (G, d, r+1)
+        const_k, const_v = const_k.repeat_interleave(heads_per_group, 0), const_v.repeat_interleave(heads_per_group, 0)
+        up_k = torch.cat([up_k / norm.real_scale, const_k[:, :, None] / norm.constant_value], dim=2)  # (H, d, r+1)
         up_v = torch.cat([up_v / norm.real_scale, const_v[:, :, None] / norm.constant_value], dim=2)
         tensors["kv_a_proj_with_mqa.bias"] = kv_a_b
         tensors["kv_a_layernorm.weight"] = norm.norm_weight
@@ -182,7 +248,7 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
         up_k, up_v = up_k * norm.latent_scale, up_v * norm.latent_scale
         if norm.stabilizer is not None:  # extra latent rows that kv_b_proj never reads
             down = torch.cat([down, norm.stabilizer.to(f64)], dim=0)  # (r+k, D)
-            zeros = torch.zeros(G, d, norm.stabilizer.shape[0], dtype=f64)
+            zeros = torch.zeros(H, d, norm.stabilizer.shape[0], dtype=f64)
             up_k, up_v = torch.cat([up_k, zeros], dim=2), torch.cat([up_v, zeros], dim=2)
         kv_a_w = torch.cat([down, k_rope_w], dim=0)  # (r_cfg+d_r, D)
         tensors["kv_a_layernorm.weight"] = norm.weight
@@ -191,7 +257,7 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
                 dropped.append(name)
 
     # per query head: kv_b rows [k_nope (d) ; v (d)] from its group
-    kv_b = torch.cat([up_k, up_v], dim=1).repeat_interleave(heads_per_group, dim=0)  # (H, 2d, r_cfg)
+    kv_b = torch.cat([up_k, up_v], dim=1)  # (H, 2d, r_cfg)
     tensors["kv_a_proj_with_mqa.weight"] = kv_a_w
     tensors["kv_b_proj.weight"] = kv_b.reshape(H * 2 * d, -1)
     tensors["o_proj.weight"] = source.o_weight.to(f64)
@@ -218,8 +284,8 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
         "latent_rank": r,
         "rope_pairs": list(plan.rope_pairs),
         "rope_key_energy_fraction": rope_energy / key_energy if key_energy > 0 else 0.0,
-        "k_rel_error": factors.key_relative_error,
-        "v_rel_error": factors.value_relative_error,
+        "k_rel_error": key_error,
+        "v_rel_error": value_error,
     }
     out = {name: tensor.to(plan.dtype).contiguous() for name, tensor in tensors.items()}
     return ConvertedAttention(tensors=out, report=report, dropped_biases=dropped)

@@ -35,6 +35,12 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".json", ".parquet")
 TEXT_FIELDS = ("text", "content", "document", "body")
 # tokens kept per layer (on top of the moments) for statistics that need per-token values
 INPUT_SAMPLE_TOKENS = 4096
+# attention statistics are measured at every QUERY_STRIDE-th query and KEY_STRIDE-th key position
+QUERY_STRIDE = 4
+KEY_STRIDE = 4
+KEY_DENSE = 16
+# keys are weighted by (attention they receive) ** KEY_WEIGHT_POWER (measured: 0.5 beats 0 and 1)
+KEY_WEIGHT_POWER = 0.5
 
 
 def bundled_sample_path() -> Path:
@@ -185,6 +191,7 @@ class LayerwiseCalibration:
         probe = torch.zeros(1, L, 1, device=self.device)
         self.source_rope = self.modules.source_rotary.to(self.device)(probe, positions)
         self.target_rope = self.modules.target_rotary.to(self.device)(probe, positions)
+        self._layer_cache: tuple[int, torch.nn.Module] | None = None
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -193,11 +200,15 @@ class LayerwiseCalibration:
 
     # ---- one source layer, weights read lazily ------------------------------------------------
     def _source_layer(self, layer: int) -> torch.nn.Module:
+        if self._layer_cache is not None and self._layer_cache[0] == layer:
+            return self._layer_cache[1]
         module = self.modules.layer_class(self.modules.source_config, layer_idx=layer)
         prefix = f"model.layers.{layer}."
         state = {name: self.ckpt.get(prefix + name) for name in module.state_dict()}
         module.load_state_dict(state)
-        return module.to(self.device).eval()
+        module = module.to(self.device).eval()
+        self._layer_cache = (layer, module)
+        return module
 
     def _target_attention(self, layer: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
         module = self.modules.target_attention_class(self.modules.target_config, layer_idx=layer)
@@ -235,10 +246,55 @@ class LayerwiseCalibration:
         index = torch.cat([torch.arange(0, flat.shape[0], sample_every)[:INPUT_SAMPLE_TOKENS],
                            torch.arange(0, flat.shape[0], length)]).unique().to(flat.device)
         sample = rms_norm(flat[index], norm_weight, eps)
+        value_covariances, key_covariances, histogram = self._attention_statistics(self._source_layer(layer))
         return LayerStatistics(
             input_covariance=(moment / count).cpu(), input_mean=(total / count).cpu(), num_tokens=count,
-            input_sample=sample.cpu(),
+            input_sample=sample.cpu(), value_covariances=value_covariances.cpu(),
+            key_covariances=key_covariances.cpu(), distance_histogram=histogram.cpu(),
+            pair_frequencies=self.modules.source_rotary.inv_freq.double().cpu(),
         )
+
+    @torch.no_grad()
+    def _attention_statistics(self, source: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        """What the source attention does with this layer's tokens, per query head h:
+        ``E[x̄ x̄ᵀ]`` for the attention-averaged inputs x̄_i = Σ_j p_hij x_j (what a value error is seen
+        through), the key-side moment E_w[x xᵀ] with each token weighted by the attention it receives
+        (Σ_i p_hij) ** KEY_WEIGHT_POWER, both at every QUERY_STRIDE-th position, and the attention mass
+        at each distance i - j."""
+        N, L, D = self.hidden.shape
+        attention = source.self_attn
+        H = self.modules.source_config.num_attention_heads
+        mask = torch.full((L, L), float("-inf"), device=self.device).triu(1)[None, None]
+        position = torch.arange(L, device=self.device)
+        distance = (position[:, None] - position[None, :]).clamp_min(0).reshape(1, -1).expand(H, -1)
+        # keys: every position of the first KEY_DENSE ones (they receive the most attention), then every
+        # KEY_STRIDE-th, each standing for KEY_STRIDE positions
+        keys = torch.cat([torch.arange(min(KEY_DENSE, L)), torch.arange(KEY_DENSE, L, KEY_STRIDE)]).to(self.device)
+        key_share = torch.where(keys < KEY_DENSE, 1.0, float(KEY_STRIDE)).to(self.device)
+        # per-head (H, D, D) moments in float32 (8 GB less than float64 per layer for Llama-3-8B); the
+        # products are float32 anyway, and the sums are over at most a few hundred thousand positions
+        covariances = torch.zeros(H, D, D, device=self.device)
+        key_covariances = torch.zeros(H, D, D, device=self.device)
+        key_weight = torch.zeros(H, dtype=torch.float64, device=self.device)
+        histogram = torch.zeros(H, L, dtype=torch.float64, device=self.device)
+        implementation = attention.config._attn_implementation
+        attention.config._attn_implementation = "eager"  # the probabilities themselves
+        try:
+            for start in range(0, N, self.batch_size):
+                x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
+                probabilities = attention(x, position_embeddings=self.source_rope, attention_mask=mask)[1].float()
+                averaged = probabilities[:, :, ::QUERY_STRIDE] @ x[:, None]  # (b, H, L/s, D)
+                covariances += torch.einsum("bhnd,bhne->hde", averaged, averaged)
+                weight = probabilities.sum(2)[:, :, keys].clamp_min(0) ** KEY_WEIGHT_POWER * key_share  # (b, H, k)
+                weighted = weight.sqrt()[..., None] * x[:, None, keys]  # (b, H, k, D)
+                key_covariances += torch.einsum("bhnd,bhne->hde", weighted, weighted)
+                key_weight += weight.sum((0, 2)).double()
+                histogram.scatter_add_(1, distance, probabilities.sum(0).reshape(H, -1).double())
+        finally:
+            attention.config._attn_implementation = implementation
+        queries = N * len(range(0, L, QUERY_STRIDE))
+        return (covariances / queries, key_covariances / key_weight.float()[:, None, None],
+                histogram / histogram.sum(-1, keepdim=True))
 
     @torch.no_grad()
     def advance(self, layer: int, tensors: dict[str, torch.Tensor] | None) -> None:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 LOWRANK_METHODS = ("svd", "pca", "whiten", "score")
+# Adam steps refining the attention-aware latent (converged to ~1e-4 of the objective on SmolLM2)
+LATENT_STEPS = 50
 # relative floor on a metric's eigenvalues: keeps A invertible (exact full-rank conversions)
 METRIC_FLOOR = 1e-6
 
@@ -120,6 +122,7 @@ def joint_low_rank(
         down = basis.T @ stacked  # (r, D)
         up = basis.clone()
         up[:n_key] /= scale  # fold the balance back into the K rows
+
         if method == "score":  # map back from the weighted row space
             up = torch.cat([_block_apply(key_root_inv, up[:n_key]), _block_apply(value_root_inv, up[n_key:])])
 
@@ -138,3 +141,68 @@ def joint_low_rank(
         value_relative_error=(value_error / value_total) ** 0.5 if value_total > 0 else 0.0,
         energy=eigenvalues.clamp_min(0),
     )
+
+
+
+def regression_up(rows: torch.Tensor, cov: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The best ``U`` for ``rows x ≈ U (down x)`` over inputs with second moment ``cov``."""
+    # a relative ridge on the inputs keeps the regression well posed when ``cov`` is rank-deficient (few
+    # calibration tokens): a latent that spans ``rows`` then still reproduces them exactly
+    cov = cov + 1e-9 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype)
+    gram = down @ cov @ down.T  # a latent channel that is identically zero (e.g. an empty K) gets U = 0
+    return (torch.linalg.pinv(gram, rtol=1e-12, hermitian=True) @ (down @ cov @ rows.T)).T
+
+
+def optimise_down(blocks, down: torch.Tensor, steps: int, lr: float = 1e-2) -> torch.Tensor:
+    """Latent rows ``W`` maximising Σ_b w_b · captured_b, where block b (rows T_b, input second moment
+    Σ_b, weight w_b) regressed on W x captures tr((WΣ_bWᵀ)⁻¹ W Σ_b T_bᵀ T_b Σ_b Wᵀ)."""
+    prepared = [(cov.float(), (cov @ rows.T @ rows @ cov).float(), weight) for rows, cov, weight in blocks]
+    q, _ = torch.linalg.qr(down.T)
+    latent = q.T.float().clone().requires_grad_(True)  # orthonormal rows spanning the initial latent
+    optimizer = torch.optim.Adam([latent], lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        captured = sum(weight * torch.trace(torch.linalg.solve(latent @ cov @ latent.T, latent @ cross @ latent.T))
+                       for cov, cross, weight in prepared)
+        (-captured).backward()
+        optimizer.step()
+    return latent.detach().to(down.dtype)
+
+
+def weighted_energy(rows: torch.Tensor, cov: torch.Tensor) -> float:
+    return float(torch.einsum("ij,jk,ik->", rows, cov, rows))
+
+
+def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_covariances, key_covariances=None,
+                             steps: int = LATENT_STEPS, key_row_weight=None):
+    """Latent and per-query-head up-projections fitted where the errors are seen.
+
+    A value error reaches the output only through attention averages: head h reads x̄_h,i = Σ_j p_hij x_j,
+    so V is fitted on ``value_covariances[h] = E[x̄_h x̄_hᵀ]`` rather than on single tokens. The latent
+    ``W`` (shared) starts from the activation PCA and is refined to capture the most of the key
+    and value energy per group (each relative to its total); then every query head gets its own
+    K and V up-projection by regression on its own statistics — kv_b_proj is per head anyway.
+    key_nope, value: (G, d, D); covariances (H, D, D). Returns (up_k (H, d, r), up_v (H, d, r), down (r, D))."""
+    G, d, D = value.shape
+    H = value_covariances.shape[0]
+    per = H // G
+    key_covariances = input_covariance.expand(H, D, D) if key_covariances is None else key_covariances
+    dtype = key_nope.dtype  # per-head moments may come in float32 (memory); each is upcast when used
+    with single_thread():
+        init = joint_low_rank(key_nope.reshape(G * d, D), value.reshape(G * d, D), rank, input_covariance)
+        down = init.down
+        if rank < int(torch.linalg.matrix_rank(torch.cat([key_nope.reshape(G * d, D), value.reshape(G * d, D)]))):
+            blocks = []
+            group_key = [sum(key_covariances[h].to(dtype) for h in range(g * per, (g + 1) * per)) / per for g in range(G)]
+            group_value = [sum(value_covariances[h].to(dtype) for h in range(g * per, (g + 1) * per)) / per for g in range(G)]
+            key_rows = key_nope if key_row_weight is None else key_nope * key_row_weight[..., None]  # (G, d, D)
+            key_total = sum(weighted_energy(key_rows[g], group_key[g]) for g in range(G))
+            value_total = sum(weighted_energy(value[g], group_value[g]) for g in range(G))
+            for g in range(G):
+                if key_total > 0:
+                    blocks.append((key_rows[g], group_key[g], 1.0 / key_total))
+                blocks.append((value[g], group_value[g], 1.0 / value_total))
+            down = optimise_down(blocks, down, steps)
+        up_k = torch.stack([regression_up(key_nope[h // per], key_covariances[h].to(dtype), down) for h in range(H)])
+        up_v = torch.stack([regression_up(value[h // per], value_covariances[h].to(dtype), down) for h in range(H)])
+    return up_k, up_v, down

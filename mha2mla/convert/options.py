@@ -12,8 +12,9 @@ from mha2mla import UserError
 
 # the measured best methods (benchmarks/quality.py, docs/benchmarks.md), with and without calibration
 AUTO_METHODS = {
-    "calibrated": {"rope_mixing": "activation", "lowrank": "pca", "norm_calibration": "stabilized"},
-    "weight_only": {"rope_mixing": "weight", "lowrank": "svd", "norm_calibration": "rms"},
+    "calibrated": {"rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean",
+                   "norm_calibration": "stabilized"},
+    "weight_only": {"rope_mixing": "weight", "lowrank": "svd", "rope_compensation": "none", "norm_calibration": "rms"},
 }
 
 
@@ -31,14 +32,16 @@ class ConvertOptions(BaseModel):
     balance_kv: bool = True
     # calibration-aware initialisation (statistics of the attention inputs)
     calib: str | None = Field(None, description="calibration text: file, folder, dataset id, or `default` (bundled sample)")
-    calib_samples: int = 64
+    calib_samples: int = 128
     calib_seq_len: int = 256
-    calib_sequential: bool = Field(False, description="calibrate layer i on the outputs of the converted layers before it "
-                                   "(measured slightly worse than the source's activations, docs/benchmarks.md)")
+    calib_sequential: bool = Field(True, description="calibrate layer i on the outputs of the converted layers before it "
+                                   "(measured better with the attention-aware default, docs/benchmarks.md)")
     calib_device: str | None = Field(None, description="device for calibration forwards (default: cuda if available)")
     # methods (docs/calibration.md); `auto` = the measured best with calibration, weight-only without
     rope_mixing: Literal["auto", "weight", "activation", "query"] = "auto"
-    lowrank: Literal["auto", "svd", "pca", "whiten", "score"] = "auto"
+    lowrank: Literal["auto", "svd", "pca", "whiten", "score", "attention"] = "auto"
+    rope_compensation: Literal["auto", "none", "mean"] = Field("auto", description="what stands in for a dropped rotation: "
+                                                              "nothing, or its attention-weighted mean (calibrated)")
     norm_calibration: Literal["auto", "rms", "mean", "channel", "stabilized"] = "auto"
     max_shard_size: int = 2 * 1024**3
     untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (default: yes for portable)")
