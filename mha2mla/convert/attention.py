@@ -195,14 +195,14 @@ def convert_attention(source: SourceAttention, plan: AttentionPlan, stats: Layer
         key_metric = nope_moment.view(G, heads_per_group, d, d).sum(1)  # (G, d, d): Σ_h E[q_h q_hᵀ]
         o_heads = source.o_weight.to(f64).view(D, G, heads_per_group, d)  # (D, G, H/G, d)
         value_metric = torch.einsum("Dghi,Dghj->gij", o_heads, o_heads)  # (G, d, d): Σ_h W_o,hᵀ W_o,h
-    key_row_weight = None
-    if plan.rope_compensation == "mean" and stats.distance_histogram is not None:
-        # what survives of each NoPE key row once its reader takes Aᵀq: |A|² = C² + S² per pair (the
-        # latent need not spend rank on rows whose rotation averaged away)
-        C, S = mean_rotation(stats.distance_histogram, stats.pair_frequencies)  # (H, d/2)
-        surviving = (C * C + S * S).view(G, heads_per_group, -1).mean(1)  # (G, d/2)
-        key_row_weight = torch.cat([surviving, surviving], dim=1).sqrt()  # (G, d): rows i and i + d/2 of pair i
     if plan.lowrank == "attention" and stats.value_covariances is not None:
+        key_row_weight = None
+        if plan.rope_compensation == "mean" and stats.distance_histogram is not None:
+            # what survives of each NoPE key row once its reader takes Aᵀq: |A|² = C² + S² per pair (the
+            # latent need not spend rank on rows whose rotation averaged away)
+            C, S = mean_rotation(stats.distance_histogram, stats.pair_frequencies)  # (H, d/2)
+            surviving = (C * C + S * S).view(G, heads_per_group, -1).mean(1)  # (G, d/2)
+            key_row_weight = torch.cat([surviving, surviving], dim=1).sqrt()  # (G, d): rows i, i + d/2 of pair i
         up_k, up_v, down = attention_aware_low_rank(
             key_nope_w, v_w.view(G, d, D), plan.latent_rank, cov, stats.value_covariances, stats.key_covariances,
             key_row_weight=key_row_weight)

@@ -259,8 +259,8 @@ class LayerwiseCalibration:
         """What the source attention does with this layer's tokens, per query head h:
         ``E[x̄ x̄ᵀ]`` for the attention-averaged inputs x̄_i = Σ_j p_hij x_j (what a value error is seen
         through), the key-side moment E_w[x xᵀ] with each token weighted by the attention it receives
-        (Σ_i p_hij) ** KEY_WEIGHT_POWER, both at every QUERY_STRIDE-th position, and the attention mass
-        at each distance i - j."""
+        (Σ_i p_hij) ** KEY_WEIGHT_POWER, and the attention mass at each distance i - j. Queries are
+        taken at every QUERY_STRIDE-th position; keys at the first KEY_DENSE, then every KEY_STRIDE-th."""
         N, L, D = self.hidden.shape
         attention = source.self_attn
         H = self.modules.source_config.num_attention_heads

@@ -143,7 +143,6 @@ def joint_low_rank(
     )
 
 
-
 def regression_up(rows: torch.Tensor, cov: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The best ``U`` for ``rows x ≈ U (down x)`` over inputs with second moment ``cov``."""
     # a relative ridge on the inputs keeps the regression well posed when ``cov`` is rank-deficient (few
