@@ -407,24 +407,32 @@ def stabilized_norm(down: torch.Tensor, input_covariance: torch.Tensor | None, i
     target = (target_energy - energy).clamp_min(0).sqrt()  # (n,)
     ridge = 1e-3 * x.pow(2).mean() * torch.eye(x.shape[1], dtype=x.dtype)
     first = torch.linalg.solve(x.T @ x / n + ridge, x.T @ target / n)  # (D,)
-    rows = torch.zeros(channels, x.shape[1], dtype=x.dtype)
-    rows[0] = first
+    # the fit runs in float32 (4× faster than float64 on CPU; the objective is a smooth mean over tokens)
+    f32 = torch.float32
+    rows = torch.zeros(channels, x.shape[1], dtype=f32)
+    rows[0] = first.to(f32)
     if channels > 1:
-        rows[1:] = 1e-3 * torch.randn(channels - 1, x.shape[1], dtype=x.dtype, generator=torch.Generator().manual_seed(0))
+        rows[1:] = 1e-3 * torch.randn(channels - 1, x.shape[1], dtype=f32, generator=torch.Generator().manual_seed(0))
     rows.requires_grad_(True)
-    log_weight = torch.zeros(r, dtype=x.dtype, requires_grad=True)
+    log_weight = torch.zeros(r, dtype=f32, requires_grad=True)
     optimizer = torch.optim.Adam([rows, log_weight], lr=1e-2)
+
+    # per token t, ‖w ⊙ c/ρ − c‖² / ‖c‖² = Σ_j (w_j/ρ − 1)² a_tj with a_tj = c_tj² / ‖c_t‖²: two
+    # matrix-vector products per step instead of elementwise work on the (n, r) latent
+    share = (latent.pow(2) / energy.clamp_min(1e-12)[:, None]).to(f32)  # (n, r)
+    present = share.sum(-1)  # (n,): 1, or 0 for a token whose latent is zero
+    x, energy = x.to(f32), energy.to(f32)
 
     def relative_error():
         stabiliser = x @ rows.T  # (n, k)
         rho = ((energy + stabiliser.pow(2).sum(-1)) / total).sqrt().clamp_min(1e-12)  # (n,)
-        output = log_weight.exp() * latent / rho[:, None]
-        return ((output - latent).pow(2).sum(-1) / energy.clamp_min(1e-12)).mean()
+        weight = log_weight.exp()
+        return (share @ weight.pow(2) / rho.pow(2) - 2 * (share @ weight) / rho + present).mean()
 
     for _ in range(steps):
         optimizer.zero_grad()
         loss = relative_error()
         loss.backward()
         optimizer.step()
-    weight = torch.cat([log_weight.detach().exp(), torch.ones(channels, dtype=x.dtype)])
+    weight = torch.cat([log_weight.detach().exp(), torch.ones(channels, dtype=f32)])
     return CalibratedNorm(latent_scale=scale, weight=weight.to(down.dtype), stabilizer=rows.detach().to(down.dtype))
