@@ -26,17 +26,22 @@ import torch
 METHODS: dict[str, dict] = {
     "weight-svd": {"rope_mixing": "weight", "lowrank": "svd", "rope_compensation": "none", "norm_calibration": "rms"},
     "weight-score": {"rope_mixing": "weight", "lowrank": "score", "rope_compensation": "none", "norm_calibration": "rms"},
-    "act-pca": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "none"},
-    "act-whiten": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "whiten", "rope_compensation": "none"},
-    "act-pca-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "none"},
-    "score": {"calib": True, "calib_sequential": False, "rope_mixing": "query", "lowrank": "score", "rope_compensation": "none"},
-    "score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "query", "lowrank": "score", "rope_compensation": "none"},
-    "act-score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "score", "rope_compensation": "none"},
+    "act-pca": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "none", "refit": "none"},
+    "act-whiten": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "whiten", "rope_compensation": "none", "refit": "none"},
+    "act-pca-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "none", "refit": "none"},
+    "score": {"calib": True, "calib_sequential": False, "rope_mixing": "query", "lowrank": "score", "rope_compensation": "none", "refit": "none"},
+    "score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "query", "lowrank": "score", "rope_compensation": "none", "refit": "none"},
+    "act-score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "score", "rope_compensation": "none", "refit": "none"},
     # dropped rotations replaced by their attention-weighted mean (attention.compensate_dropped_rotations)
-    "act-pca-mean": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "mean"},
-    # + the attention-aware latent and per-head up-projections (lowrank.attention_aware_low_rank): the default
-    "act-attention": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean"},
-    "act-attention-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean"},
+    "act-pca-mean": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "mean", "refit": "none"},
+    # + the attention-aware latent and per-head up-projections (lowrank.attention_aware_low_rank)
+    "act-attention": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean", "refit": "none"},
+    "act-attention-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean", "refit": "none"},
+    # + the read-out refitted on the converted layer towards the source stream (calibration.refit_attention)
+    "act-attention-seq-values": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "attention",
+                                 "rope_compensation": "mean", "refit": "values"},
+    "act-attention-refit": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "attention",
+                            "rope_compensation": "mean", "refit": "output"},  # the calibrated default
 }
 SLICES = ("kjv", "python_docs")
 

@@ -66,6 +66,7 @@ class AttentionPlan:
     norm_calibration: str = "rms"  # portable kv_a_layernorm: rms | mean | channel | stabilized (calibration.py)
     stabilizer_channels: int = 0  # portable, "stabilized": latent channels that only steady the norm
     rope_compensation: str = "none"  # none | mean: what stands in for a dropped rotation (attention.py)
+    refit: str = "none"  # none | values | output: read-out refitted on the converted layer (calibration.py, pipeline)
 
     @property
     def rope_dim(self) -> int:

@@ -41,6 +41,8 @@ KEY_STRIDE = 4
 KEY_DENSE = 16
 # keys are weighted by (attention they receive) ** KEY_WEIGHT_POWER (measured: 0.5 beats 0 and 1)
 KEY_WEIGHT_POWER = 0.5
+# relative ridges (towards the current map) that the refit chooses from by cross-validation
+VALUE_REFIT_RIDGES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
 
 def bundled_sample_path() -> Path:
@@ -176,7 +178,7 @@ class LayerwiseCalibration:
     """The statistics provider (see the module docstring). Call ``provider(i)`` then ``advance(i, tensors)``."""
 
     def __init__(self, ckpt, family, plan, tokens: torch.Tensor, sequential: bool = False, device: str | None = None,
-                 batch_size: int = 8, progress: bool = True):
+                 batch_size: int = 8, progress: bool = True, refit: str = "none"):
         self.ckpt, self.family, self.plan = ckpt, family, plan
         self.sequential = sequential
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -185,6 +187,10 @@ class LayerwiseCalibration:
         self.num_layers = plan.shape.num_layers
         embed = ckpt.get(family.weight("embed_tokens"))
         self.hidden = embed[tokens].to(self.device)  # (N, L, D): the current layer's input hidden states
+        # refitting on a converted stream fits the source's outputs on the source stream: a second set of
+        # hidden states, pushed through the source layers only
+        self.refit = refit
+        self.source_hidden = self.hidden.clone() if (sequential and refit != "none") else None
         self.layer = 0  # the hidden states are the input of this layer
         N, L = tokens.shape
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
@@ -297,6 +303,86 @@ class LayerwiseCalibration:
                 histogram / histogram.sum(-1, keepdim=True))
 
     @torch.no_grad()
+    def refit_attention(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        """The converted layer's linear read-out refitted on what it really computes (``refit``).
+
+        The low-rank step fits each head's V on the *source* attention averages. The converted layer
+        averages its latents c with its own probabilities p' (its keys are approximate) and, in the
+        portable profile, after kv_a_layernorm. ``values``: every query head h gets the U_h (its
+        kv_b_proj value rows) that best maps f_hi = Σ_j p'_hij c_j to the source head output
+        t_hi = Σ_j p_hij v_j. ``output``: then o_proj (not cached, so free) is refitted the same way
+        from the refitted heads to the source attention output W_o t. When calibrating sequentially
+        the targets come from the *source* model's own hidden states (a second stream), so the fit
+        also takes up what earlier layers' conversions changed; f comes from the converted stream.
+
+        Each map is a ridge regression towards the current one over the calibration tokens. Attention
+        averages of one sequence are strongly correlated, so the ridge is chosen by two-fold
+        cross-validation over the sequences (``ridge_refit``; no refit at all is one of the choices).
+        A full-capacity conversion, where f spans t exactly, keeps its maps. Returns the new tensors
+        and a report."""
+        source = self._source_layer(layer)
+        target = self._target_attention(layer, tensors)
+        N, L, D = self.hidden.shape
+        H = self.modules.source_config.num_attention_heads
+        G = self.modules.source_config.num_key_value_heads
+        d = target.v_head_dim
+        r = target.kv_lora_rank
+        mask = torch.full((L, L), float("-inf"), device=self.device).triu(1)[None, None]
+        f64 = torch.float64
+        cross = torch.zeros(2, H, d, r, dtype=f64, device=self.device)  # per fold: E[t fᵀ]
+        gram = torch.zeros(2, H, r, r, dtype=f64, device=self.device)  # E[f fᵀ]
+        energy = torch.zeros(2, dtype=f64, device=self.device)  # E‖t‖² over heads
+        o_cross = o_gram = o_energy = None
+        if self.refit == "output":
+            o_cross = torch.zeros(2, D, H * r, dtype=f64, device=self.device)
+            o_gram = torch.zeros(2, H * r, H * r, dtype=f64, device=self.device)
+            o_energy = torch.zeros(2, dtype=f64, device=self.device)
+            o_weight_source = source.self_attn.o_proj.weight.float()
+        implementations = (source.self_attn.config._attn_implementation, target.config._attn_implementation)
+        source.self_attn.config._attn_implementation = target.config._attn_implementation = "eager"
+        try:
+            for start in range(0, N, self.batch_size):
+                x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
+                b = x.shape[0]
+                xs = x if self.source_hidden is None else source.input_layernorm(self.source_hidden[start : start + b])
+                p = source.self_attn(xs, position_embeddings=self.source_rope, attention_mask=mask)[1].float()
+                v = source.self_attn.v_proj(xs).view(b, L, G, d).transpose(1, 2).repeat_interleave(H // G, dim=1)
+                t = p @ v  # (b, H, L, d): the source heads' outputs
+                p_converted = target(x, position_embeddings=self.target_rope, attention_mask=mask)[1].float()
+                latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r])  # (b, L, r)
+                f = p_converted @ latent[:, None]  # (b, H, L, r)
+                fold = (torch.arange(start, start + b, device=self.device) % 2).to(t.dtype)
+                for k, weight in enumerate((1 - fold, fold)):
+                    cross[k] += torch.einsum("b,bhld,bhlr->hdr", weight, t, f).double()
+                    gram[k] += torch.einsum("b,bhlr,bhls->hrs", weight, f, f).double()
+                    energy[k] += torch.einsum("b,bhld->", weight, t.pow(2)).double()
+                if o_cross is not None:
+                    y = t.transpose(1, 2).reshape(b, L, H * d) @ o_weight_source.T  # (b, L, D)
+                    f_all = f.transpose(1, 2).reshape(b, L, H * r)
+                    for k, weight in enumerate((1 - fold, fold)):
+                        o_cross[k] += torch.einsum("b,bld,blr->dr", weight, y, f_all).double()
+                        o_gram[k] += torch.einsum("b,blr,bls->rs", weight, f_all, f_all).double()
+                        o_energy[k] += torch.einsum("b,bld->", weight, y.pow(2)).double()
+        finally:
+            source.self_attn.config._attn_implementation, target.config._attn_implementation = implementations
+        cross, gram, energy = cross.cpu(), gram.cpu(), energy.cpu()
+        kv_b = tensors["kv_b_proj.weight"].to(f64).view(H, 2 * d, r).cpu()
+        refitted, report = ridge_refit(kv_b[:, d:], cross, gram, energy)
+        report = {"v_output_error": report["error"], "v_output_error_refit": report["error_refit"], "v_refit_ridge": report["ridge"]}
+        kv_b[:, d:] = refitted
+        out = dict(tensors)
+        out["kv_b_proj.weight"] = kv_b.reshape(H * 2 * d, r).to(tensors["kv_b_proj.weight"].dtype)
+        if o_cross is not None:  # o_proj on the refitted heads z = (U_h f_h)_h: moments through B = blockdiag(U_h)
+            block = torch.block_diag(*refitted)  # (H*d, H*r)
+            o_gram = (block @ o_gram.cpu() @ block.T)
+            o_cross = o_cross.cpu() @ block.T
+            o_weight = tensors["o_proj.weight"].to(f64).cpu()[None]  # (1, D, H*d)
+            o_refitted, o_report = ridge_refit(o_weight, o_cross[:, None], o_gram[:, None], o_energy.cpu())
+            out["o_proj.weight"] = o_refitted[0].to(tensors["o_proj.weight"].dtype)
+            report.update(o_output_error=o_report["error"], o_output_error_refit=o_report["error_refit"], o_refit_ridge=o_report["ridge"])
+        return out, report
+
+    @torch.no_grad()
     def advance(self, layer: int, tensors: dict[str, torch.Tensor] | None) -> None:
         """Push the hidden states through layer ``layer``: its converted attention (``tensors``, when
         calibrating sequentially) or the source attention, then the source MLP."""
@@ -314,11 +400,43 @@ class LayerwiseCalibration:
             h = h + attention
             h = h + source.mlp(source.post_attention_layernorm(h))
             self.hidden[start : start + self.batch_size] = h
+            if self.source_hidden is not None:
+                h = self.source_hidden[start : start + self.batch_size]
+                h = h + source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope, attention_mask=None)[0]
+                self.source_hidden[start : start + self.batch_size] = h + source.mlp(source.post_attention_layernorm(h))
         self.layer += 1
         if self._bar is not None:
             self._bar.update(1)
             if self.layer == self.num_layers:
                 self._bar.close()
+
+
+def ridge_refit(current: torch.Tensor, cross: torch.Tensor, gram: torch.Tensor, energy: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Least-squares maps U (batched over a leading dim) for t ≈ U f, from two folds of moments:
+    ``cross`` (2, B, m, n) = E[t fᵀ], ``gram`` (2, B, n, n) = E[f fᵀ], ``energy`` (2,) = E‖t‖² summed over B.
+    The ridge (towards ``current`` (B, m, n)) is the one of VALUE_REFIT_RIDGES with the least error on
+    the fold it was not fitted on — or no refit, when that validates best. Returns U and the relative
+    errors before and after (on both folds) and the ridge (None: kept ``current``)."""
+    n = current.shape[-1]
+    eye = torch.eye(n, dtype=current.dtype)
+
+    def fit(moments_cross, moments_gram, ridge):
+        scale = moments_gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[:, None, None]
+        step = torch.linalg.solve(moments_gram + ridge * scale * eye, (moments_cross - current @ moments_gram).transpose(1, 2))
+        return current + step.transpose(1, 2)
+
+    def error(up, k):  # Σ_B E‖U f − t‖² on fold k
+        return float(torch.einsum("bmr,brs,bms->", up, gram[k], up) - 2 * torch.einsum("bmr,bmr->", up, cross[k]) + energy[k])
+
+    scores = {float("inf"): error(current, 0) + error(current, 1)}  # first: a tie keeps the current map
+    scores.update({ridge: sum(error(fit(cross[k], gram[k], ridge), 1 - k) for k in (0, 1)) for ridge in VALUE_REFIT_RIDGES})
+    ridge = min(scores, key=scores.get)
+    refitted = current if ridge == float("inf") else fit(cross.sum(0), gram.sum(0), ridge)
+    total = float(energy.sum().clamp_min(1e-30))
+    report = {"error": (max(error(current, 0) + error(current, 1), 0.0) / total) ** 0.5,
+              "error_refit": (max(error(refitted, 0) + error(refitted, 1), 0.0) / total) ** 0.5,
+              "ridge": None if ridge == float("inf") else ridge}
+    return refitted, report
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -337,7 +455,8 @@ def calibration_statistics(ckpt, family, plan, options, progress: bool = True) -
     texts = load_calibration_texts(options.calib)
     tokens = calibration_token_ids(texts, tokenizer, options.calib_samples, options.calib_seq_len)
     return LayerwiseCalibration(ckpt, family, plan, tokens, sequential=options.calib_sequential,
-                                device=options.calib_device, progress=progress)
+                                device=options.calib_device, progress=progress,
+                                refit=options.resolved_methods(True)["refit"])
 
 
 # ---- the portable profile's kv_a_layernorm, calibrated by measurement ---------------------------

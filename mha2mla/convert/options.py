@@ -13,8 +13,9 @@ from mha2mla import UserError
 # the measured best methods (benchmarks/quality.py, docs/benchmarks.md), with and without calibration
 AUTO_METHODS = {
     "calibrated": {"rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean",
-                   "norm_calibration": "stabilized"},
-    "weight_only": {"rope_mixing": "weight", "lowrank": "svd", "rope_compensation": "none", "norm_calibration": "rms"},
+                   "norm_calibration": "stabilized", "refit": "output"},
+    "weight_only": {"rope_mixing": "weight", "lowrank": "svd", "rope_compensation": "none", "norm_calibration": "rms",
+                    "refit": "none"},
 }
 
 
@@ -43,6 +44,9 @@ class ConvertOptions(BaseModel):
     rope_compensation: Literal["auto", "none", "mean"] = Field("auto", description="what stands in for a dropped rotation: "
                                                               "nothing, or its attention-weighted mean (calibrated)")
     norm_calibration: Literal["auto", "rms", "mean", "channel", "stabilized"] = "auto"
+    refit: Literal["auto", "none", "values", "output"] = Field(
+        "auto", description="refit each head's V up-projection (values), then o_proj too (output), on what the converted "
+        "layer computes, towards the source model's outputs (calibrated)")
     max_shard_size: int = 2 * 1024**3
     untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (default: yes for portable)")
 

@@ -214,6 +214,9 @@ def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, pro
         _check_shapes(source, plan, layer)
         stats = statistics(layer) if statistics is not None else None
         converted = convert_attention(source, attention_plan, stats)
+        if attention_plan.refit != "none" and hasattr(statistics, "refit_attention"):
+            converted.tensors, refit_report = statistics.refit_attention(layer, converted.tensors)
+            converted.report.update(refit_report)
         if hasattr(statistics, "advance"):  # sequential calibration: feed the next layer this layer's output
             statistics.advance(layer, converted.tensors)
         prefix = f"model.layers.{layer}"
