@@ -28,6 +28,7 @@ def convert_command(
     lowrank: Optional[str] = typer.Option(None, help="Joint low rank of [K_nope; V]: auto, svd, pca, whiten, score or attention (docs/calibration.md)."),
     rope_compensation: Optional[str] = typer.Option(None, help="Dropped rotations: auto, none, or mean (their attention-weighted mean on the query side; calibrated)."),
     norm_calibration: Optional[str] = typer.Option(None, help="Portable kv_a_layernorm weight: auto, rms, mean, channel or stabilized."),
+    refit: Optional[str] = typer.Option(None, help="Refit on the converted layer towards the source model: auto, none, values (V up-projections) or output (then o_proj too; calibrated)."),
     recipe: Optional[Path] = typer.Option(None, help="A recipe YAML holding these options (flags given here win)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (ranks, KV bytes/token, parameters) and write nothing."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
@@ -48,6 +49,7 @@ def convert_command(
         rope_frequencies=rope_frequencies, dtype=dtype, calib=calib, calib_samples=calib_samples,
         calib_seq_len=calib_seq_len, calib_sequential=calib_sequential, calib_device=calib_device,
         rope_mixing=rope_mixing, lowrank=lowrank, rope_compensation=rope_compensation, norm_calibration=norm_calibration,
+        refit=refit,
     )
     result = convert(source, out, options, force=force, dry_run=dry_run, progress=progress)
     typer.echo(format_plan(result.plan))

@@ -31,8 +31,6 @@ import torch
 LOWRANK_METHODS = ("svd", "pca", "whiten", "score")
 # Adam steps refining the attention-aware latent (converged to ~1e-4 of the objective on SmolLM2)
 LATENT_STEPS = 50
-KEY_SHARE = 1.0
-PER_HEAD_BLOCKS = False
 # relative floor on a metric's eigenvalues: keeps A invertible (exact full-rank conversions)
 METRIC_FLOOR = 1e-6
 
@@ -199,18 +197,10 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
             key_rows = key_nope if key_row_weight is None else key_nope * key_row_weight[..., None]  # (G, d, D)
             key_total = sum(weighted_energy(key_rows[g], group_key[g]) for g in range(G))
             value_total = sum(weighted_energy(value[g], group_value[g]) for g in range(G))
-            if PER_HEAD_BLOCKS:
-                key_total = sum(weighted_energy(key_rows[h // per], key_covariances[h].to(dtype)) for h in range(H))
-                value_total = sum(weighted_energy(value[h // per], value_covariances[h].to(dtype)) for h in range(H))
-                for h in range(H):
-                    if key_total > 0:
-                        blocks.append((key_rows[h // per], key_covariances[h].to(dtype), KEY_SHARE / key_total))
-                    blocks.append((value[h // per], value_covariances[h].to(dtype), 1.0 / value_total))
-            else:
-                for g in range(G):
-                    if key_total > 0:
-                        blocks.append((key_rows[g], group_key[g], KEY_SHARE / key_total))
-                    blocks.append((value[g], group_value[g], 1.0 / value_total))
+            for g in range(G):
+                if key_total > 0:
+                    blocks.append((key_rows[g], group_key[g], 1.0 / key_total))
+                blocks.append((value[g], group_value[g], 1.0 / value_total))
             down = optimise_down(blocks, down, steps)
         up_k = torch.stack([regression_up(key_nope[h // per], key_covariances[h].to(dtype), down) for h in range(H)])
         up_v = torch.stack([regression_up(value[h // per], value_covariances[h].to(dtype), down) for h in range(H)])
