@@ -1,7 +1,7 @@
 """Training-free conversion quality: held-out perplexity of converted models, per KV budget and method.
 
     OMP_NUM_THREADS=1 MHA2MLA_CACHE=.cache python benchmarks/quality.py \\
-        --budgets 0.3125 0.1875 0.125 --methods weight-svd act-pca act-attention-seq --profiles exact
+        --budgets 0.3125 0.1875 0.125 --methods weight-svd act-pca act-attention-seq act-attention-refit --profiles exact
 
 For each budget, method and profile it converts the model (default: SmolLM2-135M-Instruct from the
 cached GGUF), loads the result with transformers and scores the held-out KJV and Python-docs slices
@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="source model (default: the cached SmolLM2-135M GGUF)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.3125, 0.1875, 0.125])
-    parser.add_argument("--methods", nargs="+", default=["weight-svd", "act-pca", "act-attention-seq"], choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["weight-svd", "act-pca", "act-attention-seq", "act-attention-refit"],
+                        choices=list(METHODS))
     parser.add_argument("--profiles", nargs="+", default=["exact", "portable"], choices=["exact", "portable"])
     parser.add_argument("--rope-dims", type=int, nargs="+", default=None, help="rope/rank splits to sweep (same total)")
     parser.add_argument("--full-rank", action="store_true", help="keep the full latent rank (measures the rope cut alone)")

@@ -3,9 +3,11 @@
 ``calibration_statistics(ckpt, family, plan, options)`` returns a provider that the pipeline calls once
 per layer, in order: ``provider(i)`` gives the statistics of layer i's attention input x (the input
 RMSNorm's output) on the calibration tokens, and ``provider.advance(i, tensors)`` pushes the hidden
-states through layer i — through the source attention (the default), or through the *converted*
-attention (``calib_sequential``: layer i+1 is then calibrated on what the converted model really feeds
-it, as TransMLA does; measured slightly worse on SmolLM2, docs/benchmarks.md).
+states through layer i — through the *converted* attention (``calib_sequential``, the default: layer
+i+1 is then calibrated on what the converted model really feeds it, as TransMLA does), or through the
+source attention. In between, ``provider.refit_attention(i, tensors)`` refits the converted layer's
+value rows and o_proj on what it computes (``--refit``, docs/calibration.md); sequentially, its targets
+come from a second stream of the source model's own hidden states.
 
 Only one layer's hidden states are held at a time: ``(N, L, D)`` for N sequences of L tokens, on the
 chosen device. Each layer's weights are read from the lazy checkpoint when it is reached.
@@ -351,18 +353,20 @@ class LayerwiseCalibration:
                 p_converted = target(x, position_embeddings=self.target_rope, attention_mask=mask)[1].float()
                 latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r])  # (b, L, r)
                 f = p_converted @ latent[:, None]  # (b, H, L, r)
-                fold = (torch.arange(start, start + b, device=self.device) % 2).to(t.dtype)
-                for k, weight in enumerate((1 - fold, fold)):
-                    cross[k] += torch.einsum("b,bhld,bhlr->hdr", weight, t, f).double()
-                    gram[k] += torch.einsum("b,bhlr,bhls->hrs", weight, f, f).double()
-                    energy[k] += torch.einsum("b,bhld->", weight, t.pow(2)).double()
                 if o_cross is not None:
                     y = t.transpose(1, 2).reshape(b, L, H * d) @ o_weight_source.T  # (b, L, D)
                     f_all = f.transpose(1, 2).reshape(b, L, H * r)
-                    for k, weight in enumerate((1 - fold, fold)):
-                        o_cross[k] += torch.einsum("b,bld,blr->dr", weight, y, f_all).double()
-                        o_gram[k] += torch.einsum("b,blr,bls->rs", weight, f_all, f_all).double()
-                        o_energy[k] += torch.einsum("b,bld->", weight, y.pow(2)).double()
+                for k in (0, 1):  # the two cross-validation folds: even and odd sequences
+                    fold = slice((start + k) % 2, b, 2)
+                    t_k, f_k = t[fold], f[fold]
+                    cross[k] += torch.einsum("bhld,bhlr->hdr", t_k, f_k).double()
+                    gram[k] += torch.einsum("bhlr,bhls->hrs", f_k, f_k).double()
+                    energy[k] += t_k.pow(2).sum().double()
+                    if o_cross is not None:
+                        y_k, f_all_k = y[fold].reshape(-1, D), f_all[fold].reshape(-1, H * r)
+                        o_cross[k] += (y_k.T @ f_all_k).double()
+                        o_gram[k] += (f_all_k.T @ f_all_k).double()
+                        o_energy[k] += y_k.pow(2).sum().double()
         finally:
             source.self_attn.config._attn_implementation, target.config._attn_implementation = implementations
         cross, gram, energy = cross.cpu(), gram.cpu(), energy.cpu()
@@ -417,21 +421,25 @@ def ridge_refit(current: torch.Tensor, cross: torch.Tensor, gram: torch.Tensor, 
     The ridge (towards ``current`` (B, m, n)) is the one of VALUE_REFIT_RIDGES with the least error on
     the fold it was not fitted on — or no refit, when that validates best. Returns U and the relative
     errors before and after (on both folds) and the ridge (None: kept ``current``)."""
-    n = current.shape[-1]
-    eye = torch.eye(n, dtype=current.dtype)
+    # one eigendecomposition per set of moments serves every ridge: (G + λsI)⁻¹ = Q (Λ + λs)⁻¹ Qᵀ
+    def solver(moments_cross, moments_gram):
+        eigenvalues, vectors = torch.linalg.eigh(moments_gram)  # (B, n), (B, n, n)
+        scale = moments_gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[:, None]  # (B, 1)
+        rotated = (moments_cross - current @ moments_gram) @ vectors  # (B, m, n): the residual's cross moment
 
-    def fit(moments_cross, moments_gram, ridge):
-        scale = moments_gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[:, None, None]
-        step = torch.linalg.solve(moments_gram + ridge * scale * eye, (moments_cross - current @ moments_gram).transpose(1, 2))
-        return current + step.transpose(1, 2)
+        def fit(ridge):
+            return current + (rotated / (eigenvalues.clamp_min(0) + ridge * scale)[:, None, :]) @ vectors.transpose(1, 2)
+
+        return fit
 
     def error(up, k):  # Σ_B E‖U f − t‖² on fold k
         return float(torch.einsum("bmr,brs,bms->", up, gram[k], up) - 2 * torch.einsum("bmr,bmr->", up, cross[k]) + energy[k])
 
+    folds = [solver(cross[k], gram[k]) for k in (0, 1)]
     scores = {float("inf"): error(current, 0) + error(current, 1)}  # first: a tie keeps the current map
-    scores.update({ridge: sum(error(fit(cross[k], gram[k], ridge), 1 - k) for k in (0, 1)) for ridge in VALUE_REFIT_RIDGES})
+    scores.update({ridge: sum(error(folds[k](ridge), 1 - k) for k in (0, 1)) for ridge in VALUE_REFIT_RIDGES})
     ridge = min(scores, key=scores.get)
-    refitted = current if ridge == float("inf") else fit(cross.sum(0), gram.sum(0), ridge)
+    refitted = current if ridge == float("inf") else solver(cross.sum(0), gram.sum(0))(ridge)
     total = float(energy.sum().clamp_min(1e-30))
     report = {"error": (max(error(current, 0) + error(current, 1), 0.0) / total) ** 0.5,
               "error_refit": (max(error(refitted, 0) + error(refitted, 1), 0.0) / total) ** 0.5,

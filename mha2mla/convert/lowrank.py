@@ -155,14 +155,17 @@ def regression_up(rows: torch.Tensor, cov: torch.Tensor, down: torch.Tensor) -> 
 def optimise_down(blocks, down: torch.Tensor, steps: int, lr: float = 1e-2) -> torch.Tensor:
     """Latent rows ``W`` maximising Σ_b w_b · captured_b, where block b (rows T_b, input second moment
     Σ_b, weight w_b) regressed on W x captures tr((WΣ_bWᵀ)⁻¹ W Σ_b T_bᵀ T_b Σ_b Wᵀ)."""
-    prepared = [(cov.float(), (cov @ rows.T @ rows @ cov).float(), weight) for rows, cov, weight in blocks]
+    # W Σ Tᵀ T Σ Wᵀ = (W A)(W A)ᵀ with A = Σ Tᵀ (D × rows): a thin product instead of a D × D one
+    prepared = [(cov.float(), (cov @ rows.T).float(), weight) for rows, cov, weight in blocks]
     q, _ = torch.linalg.qr(down.T)
     latent = q.T.float().clone().requires_grad_(True)  # orthonormal rows spanning the initial latent
     optimizer = torch.optim.Adam([latent], lr=lr)
     for _ in range(steps):
         optimizer.zero_grad()
-        captured = sum(weight * torch.trace(torch.linalg.solve(latent @ cov @ latent.T, latent @ cross @ latent.T))
-                       for cov, cross, weight in prepared)
+        captured = 0.0
+        for cov, thin, weight in prepared:
+            read = latent @ thin  # (r, rows)
+            captured = captured + weight * torch.trace(torch.linalg.solve(latent @ cov @ latent.T, read @ read.T))
         (-captured).backward()
         optimizer.step()
     return latent.detach().to(down.dtype)

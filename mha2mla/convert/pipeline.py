@@ -173,7 +173,7 @@ def convert(
     if statistics is None and options.calib is not None:
         from mha2mla.convert.calibration import calibration_statistics  # activation-aware init
 
-        statistics = calibration_statistics(ckpt, family, plan, options)
+        statistics = calibration_statistics(ckpt, family, plan, options, progress=progress)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
