@@ -26,10 +26,10 @@ def perplexity(folder, ids):
     return window_perplexity(model, ids)
 
 
-def test_calibrated_portable_conversion_of_smollm2_keeps_perplexity_within_3x(source, tmp_path):
-    """31.25% KV, calibrated, portable (the default methods): measured ×2.22 on these 2,048 KJV tokens
-    (the previous PCA default: ×3.2). Breaking the stabiliser channel, the rope split or the latent
-    shows up as ×100 or more; losing the attention-aware fit, as ×3 or more."""
+def test_calibrated_portable_conversion_of_smollm2_keeps_perplexity_within_2_4x(source, tmp_path):
+    """31.25% KV, calibrated, portable (the default methods): measured ×2.02 on these 2,048 KJV tokens
+    (without the refit ×2.22; the earlier PCA default ×3.2). Breaking the stabiliser channel, the rope
+    split or the latent shows up as ×100 or more; losing the attention-aware fit, as ×3 or more."""
     out = tmp_path / "mla"
     result = convert(source, out, ConvertOptions(kv_budget=0.3125, calib="default"), progress=False)
     assert result.plan.kv_lora_rank + result.plan.rope_dim == 120
@@ -38,4 +38,4 @@ def test_calibrated_portable_conversion_of_smollm2_keeps_perplexity_within_3x(so
     tokenizer = AutoTokenizer.from_pretrained(source)
     ids = held_out_token_ids(tokenizer, "kjv", 2048)
     ratio = perplexity(out, ids) / perplexity(source, ids)
-    assert ratio < 3.0, ratio
+    assert ratio < 2.4, ratio
