@@ -150,7 +150,8 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
     family = family_for_config(ckpt.config)
     options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, refit="output")
     plan = make_plan(ckpt.config, family, options)
-    calibration = LayerwiseCalibration(ckpt, family, plan, tokens, sequential=True, device="cpu", progress=False, refit="output")
+    calibration = LayerwiseCalibration(ckpt, family, plan, tokens, sequential=True, device="cpu", progress=False,
+                                       source_stream=True)
     result = convert(folder, tmp_path / "out", options, statistics=calibration, progress=False)
     report = result.report["layers"][0]
     assert report["v_output_error_refit"] < report["v_output_error"]  # it validated, and helped

@@ -44,7 +44,7 @@ KEY_DENSE = 16
 # keys are weighted by (attention they receive) ** KEY_WEIGHT_POWER (measured: 0.5 beats 0 and 1)
 KEY_WEIGHT_POWER = 0.5
 # relative ridges (towards the current map) that the refit chooses from by cross-validation
-VALUE_REFIT_RIDGES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+REFIT_RIDGES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
 
 def bundled_sample_path() -> Path:
@@ -180,7 +180,7 @@ class LayerwiseCalibration:
     """The statistics provider (see the module docstring). Call ``provider(i)`` then ``advance(i, tensors)``."""
 
     def __init__(self, ckpt, family, plan, tokens: torch.Tensor, sequential: bool = False, device: str | None = None,
-                 batch_size: int = 8, progress: bool = True, refit: str = "none"):
+                 batch_size: int = 8, progress: bool = True, source_stream: bool = False):
         self.ckpt, self.family, self.plan = ckpt, family, plan
         self.sequential = sequential
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -189,10 +189,9 @@ class LayerwiseCalibration:
         self.num_layers = plan.shape.num_layers
         embed = ckpt.get(family.weight("embed_tokens"))
         self.hidden = embed[tokens].to(self.device)  # (N, L, D): the current layer's input hidden states
-        # refitting on a converted stream fits the source's outputs on the source stream: a second set of
-        # hidden states, pushed through the source layers only
-        self.refit = refit
-        self.source_hidden = self.hidden.clone() if (sequential and refit != "none") else None
+        # with ``source_stream`` (sequential only) the refit's targets come from the source model's own
+        # hidden states: a second set, pushed through the source layers only
+        self.source_hidden = self.hidden.clone() if (sequential and source_stream) else None
         self.layer = 0  # the hidden states are the input of this layer
         N, L = tokens.shape
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
@@ -305,17 +304,17 @@ class LayerwiseCalibration:
                 histogram / histogram.sum(-1, keepdim=True))
 
     @torch.no_grad()
-    def refit_attention(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-        """The converted layer's linear read-out refitted on what it really computes (``refit``).
+    def refit_attention(self, layer: int, tensors: dict[str, torch.Tensor], mode: str = "output") -> tuple[dict[str, torch.Tensor], dict]:
+        """The converted layer's linear read-out refitted on what it really computes (``--refit``).
 
         The low-rank step fits each head's V on the *source* attention averages. The converted layer
         averages its latents c with its own probabilities p' (its keys are approximate) and, in the
         portable profile, after kv_a_layernorm. ``values``: every query head h gets the U_h (its
         kv_b_proj value rows) that best maps f_hi = Σ_j p'_hij c_j to the source head output
         t_hi = Σ_j p_hij v_j. ``output``: then o_proj (not cached, so free) is refitted the same way
-        from the refitted heads to the source attention output W_o t. When calibrating sequentially
-        the targets come from the *source* model's own hidden states (a second stream), so the fit
-        also takes up what earlier layers' conversions changed; f comes from the converted stream.
+        from the refitted heads to the source attention output W_o t. With the source stream the
+        targets come from the *source* model's own hidden states, so the fit also takes up what earlier
+        layers' conversions changed; f always comes from the (converted) stream being calibrated.
 
         Each map is a ridge regression towards the current one over the calibration tokens. Attention
         averages of one sequence are strongly correlated, so the ridge is chosen by two-fold
@@ -335,7 +334,9 @@ class LayerwiseCalibration:
         gram = torch.zeros(2, H, r, r, dtype=f64, device=self.device)  # E[f fᵀ]
         energy = torch.zeros(2, dtype=f64, device=self.device)  # E‖t‖² over heads
         o_cross = o_gram = o_energy = None
-        if self.refit == "output":
+        if mode not in ("values", "output"):
+            raise ValueError(f"unknown refit mode {mode!r}")
+        if mode == "output":
             o_cross = torch.zeros(2, D, H * r, dtype=f64, device=self.device)
             o_gram = torch.zeros(2, H * r, H * r, dtype=f64, device=self.device)
             o_energy = torch.zeros(2, dtype=f64, device=self.device)
@@ -418,7 +419,7 @@ class LayerwiseCalibration:
 def ridge_refit(current: torch.Tensor, cross: torch.Tensor, gram: torch.Tensor, energy: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Least-squares maps U (batched over a leading dim) for t ≈ U f, from two folds of moments:
     ``cross`` (2, B, m, n) = E[t fᵀ], ``gram`` (2, B, n, n) = E[f fᵀ], ``energy`` (2,) = E‖t‖² summed over B.
-    The ridge (towards ``current`` (B, m, n)) is the one of VALUE_REFIT_RIDGES with the least error on
+    The ridge (towards ``current`` (B, m, n)) is the one of REFIT_RIDGES with the least error on
     the fold it was not fitted on — or no refit, when that validates best. Returns U and the relative
     errors before and after (on both folds) and the ridge (None: kept ``current``)."""
     # one eigendecomposition per set of moments serves every ridge: (G + λsI)⁻¹ = Q (Λ + λs)⁻¹ Qᵀ
@@ -437,7 +438,7 @@ def ridge_refit(current: torch.Tensor, cross: torch.Tensor, gram: torch.Tensor, 
 
     folds = [solver(cross[k], gram[k]) for k in (0, 1)]
     scores = {float("inf"): error(current, 0) + error(current, 1)}  # first: a tie keeps the current map
-    scores.update({ridge: sum(error(folds[k](ridge), 1 - k) for k in (0, 1)) for ridge in VALUE_REFIT_RIDGES})
+    scores.update({ridge: sum(error(folds[k](ridge), 1 - k) for k in (0, 1)) for ridge in REFIT_RIDGES})
     ridge = min(scores, key=scores.get)
     refitted = current if ridge == float("inf") else solver(cross.sum(0), gram.sum(0))(ridge)
     total = float(energy.sum().clamp_min(1e-30))
@@ -464,7 +465,7 @@ def calibration_statistics(ckpt, family, plan, options, progress: bool = True) -
     tokens = calibration_token_ids(texts, tokenizer, options.calib_samples, options.calib_seq_len)
     return LayerwiseCalibration(ckpt, family, plan, tokens, sequential=options.calib_sequential,
                                 device=options.calib_device, progress=progress,
-                                refit=options.resolved_methods(True)["refit"])
+                                source_stream=options.resolved_methods(True)["refit"] != "none")
 
 
 # ---- the portable profile's kv_a_layernorm, calibrated by measurement ---------------------------

@@ -215,7 +215,7 @@ def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, pro
         stats = statistics(layer) if statistics is not None else None
         converted = convert_attention(source, attention_plan, stats)
         if attention_plan.refit != "none" and hasattr(statistics, "refit_attention"):
-            converted.tensors, refit_report = statistics.refit_attention(layer, converted.tensors)
+            converted.tensors, refit_report = statistics.refit_attention(layer, converted.tensors, attention_plan.refit)
             converted.report.update(refit_report)
         if hasattr(statistics, "advance"):  # sequential calibration: feed the next layer this layer's output
             statistics.advance(layer, converted.tensors)
