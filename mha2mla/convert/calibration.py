@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -195,6 +196,8 @@ class LayerwiseCalibration:
         self.layer = 0  # the hidden states are the input of this layer
         N, L = tokens.shape
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
+        # an explicit causal mask: eager attention (run for its probabilities) applies no other
+        self.causal_mask = torch.full((L, L), float("-inf"), device=self.device).triu(1)[None, None]
         probe = torch.zeros(1, L, 1, device=self.device)
         self.source_rope = self.modules.source_rotary.to(self.device)(probe, positions)
         self.target_rope = self.modules.target_rotary.to(self.device)(probe, positions)
@@ -271,7 +274,7 @@ class LayerwiseCalibration:
         N, L, D = self.hidden.shape
         attention = source.self_attn
         H = self.modules.source_config.num_attention_heads
-        mask = torch.full((L, L), float("-inf"), device=self.device).triu(1)[None, None]
+        mask = self.causal_mask
         position = torch.arange(L, device=self.device)
         distance = (position[:, None] - position[None, :]).clamp_min(0).reshape(1, -1).expand(H, -1)
         # keys: every position of the first KEY_DENSE ones (they receive the most attention), then every
@@ -284,9 +287,7 @@ class LayerwiseCalibration:
         key_covariances = torch.zeros(H, D, D, device=self.device)
         key_weight = torch.zeros(H, dtype=torch.float64, device=self.device)
         histogram = torch.zeros(H, L, dtype=torch.float64, device=self.device)
-        implementation = attention.config._attn_implementation
-        attention.config._attn_implementation = "eager"  # the probabilities themselves
-        try:
+        with eager_attention(attention.config):  # the probabilities themselves
             for start in range(0, N, self.batch_size):
                 x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
                 probabilities = attention(x, position_embeddings=self.source_rope, attention_mask=mask)[1].float()
@@ -297,8 +298,6 @@ class LayerwiseCalibration:
                 key_covariances += torch.einsum("bhnd,bhne->hde", weighted, weighted)
                 key_weight += weight.sum((0, 2)).double()
                 histogram.scatter_add_(1, distance, probabilities.sum(0).reshape(H, -1).double())
-        finally:
-            attention.config._attn_implementation = implementation
         queries = N * len(range(0, L, QUERY_STRIDE))
         return (covariances / queries, key_covariances / key_weight.float()[:, None, None],
                 histogram / histogram.sum(-1, keepdim=True))
@@ -328,7 +327,7 @@ class LayerwiseCalibration:
         G = self.modules.source_config.num_key_value_heads
         d = target.v_head_dim
         r = target.kv_lora_rank
-        mask = torch.full((L, L), float("-inf"), device=self.device).triu(1)[None, None]
+        mask = self.causal_mask
         f64 = torch.float64
         cross = torch.zeros(2, H, d, r, dtype=f64, device=self.device)  # per fold: E[t fᵀ]
         gram = torch.zeros(2, H, r, r, dtype=f64, device=self.device)  # E[f fᵀ]
@@ -341,9 +340,7 @@ class LayerwiseCalibration:
             o_gram = torch.zeros(2, H * r, H * r, dtype=f64, device=self.device)
             o_energy = torch.zeros(2, dtype=f64, device=self.device)
             o_weight_source = source.self_attn.o_proj.weight.float()
-        implementations = (source.self_attn.config._attn_implementation, target.config._attn_implementation)
-        source.self_attn.config._attn_implementation = target.config._attn_implementation = "eager"
-        try:
+        with eager_attention(source.self_attn.config, target.config):
             for start in range(0, N, self.batch_size):
                 x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
                 b = x.shape[0]
@@ -368,8 +365,6 @@ class LayerwiseCalibration:
                         o_cross[k] += (y_k.T @ f_all_k).double()
                         o_gram[k] += (f_all_k.T @ f_all_k).double()
                         o_energy[k] += y_k.pow(2).sum().double()
-        finally:
-            source.self_attn.config._attn_implementation, target.config._attn_implementation = implementations
         cross, gram, energy = cross.cpu(), gram.cpu(), energy.cpu()
         kv_b = tensors["kv_b_proj.weight"].to(f64).view(H, 2 * d, r).cpu()
         refitted, report = ridge_refit(kv_b[:, d:], cross, gram, energy)
@@ -414,6 +409,19 @@ class LayerwiseCalibration:
             self._bar.update(1)
             if self.layer == self.num_layers:
                 self._bar.close()
+
+
+@contextmanager
+def eager_attention(*configs):
+    """Run the attention of these configs' modules with eager softmax (it returns the probabilities)."""
+    saved = [config._attn_implementation for config in configs]
+    try:
+        for config in configs:
+            config._attn_implementation = "eager"
+        yield
+    finally:
+        for config, implementation in zip(configs, saved):
+            config._attn_implementation = implementation
 
 
 def ridge_refit(current: torch.Tensor, cross: torch.Tensor, gram: torch.Tensor, energy: torch.Tensor) -> tuple[torch.Tensor, dict]:
