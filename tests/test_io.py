@@ -51,6 +51,26 @@ def test_reader_reads_sharded_checkpoints_lazily(tmp_path):
         checkpoint.get("nope")
 
 
+def test_reader_checks_shapes_and_reads_optional_tensors(tmp_path):
+    writer = ShardedWriter(tmp_path)
+    writer.add("w", torch.randn(4, 3).to(torch.bfloat16))
+    writer.add("bad", torch.tensor([1.0, float("nan")]))
+    writer.finish()
+    (tmp_path / "config.json").write_text("{}")
+    checkpoint = LazyCheckpoint(tmp_path)
+    assert "w" in checkpoint and "b" not in checkpoint
+    assert checkpoint.get("w", shape=(4, 3)).dtype == torch.float32
+    assert checkpoint.get("w", dtype=None, shape=[4, 3]).dtype == torch.bfloat16  # None keeps the stored dtype
+    with pytest.raises(UserError, match=r"has shape \(4, 3\) but its config.json implies \(3, 4\)"):
+        checkpoint.get("w", shape=(3, 4))
+    assert checkpoint.optional("b", shape=(4,)) is None
+    assert torch.equal(checkpoint.optional("w", dtype=None), checkpoint.get("w", dtype=None))
+    with pytest.raises(UserError, match=r"shape"):
+        checkpoint.optional("w", shape=(12,))
+    with pytest.raises(UserError, match="NaN"):
+        checkpoint.get("bad")
+
+
 def test_reader_refuses_pickles(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")

@@ -1,4 +1,4 @@
-"""MLA kernels against their PyTorch references (DESIGN §5).
+"""MLA kernels against their PyTorch references (docs/kernels.md).
 
 On CPU the Triton kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a GPU
 the same tests run natively. Shapes stay tiny (<= 4 heads, <= 128 tokens) except in `gpu` tests.
@@ -12,12 +12,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mha2mla import UserError
 from mha2mla.kernels import (
     ATTENTION_NAME,
     choose_backend,
+    decode_attention_backend,
     flash_mla_attention,
     flash_mla_reference,
+    latent_cache_decode,
     mla_decode,
+    mla_decode_latent,
     mla_decode_reference,
     mla_decode_unabsorbed_reference,
 )
@@ -187,6 +191,52 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("MHA2MLA_KERNELS", "bogus")
     with pytest.raises(ValueError):
         choose_backend(x)
+
+
+def test_decode_attention_backend_is_decided_in_one_place(monkeypatch):
+    """The latent-cache model's choice: torch is always the reference; auto takes the kernel on CUDA only (and
+    follows MHA2MLA_KERNELS); kernel insists on Triton and is a UserError where it cannot run."""
+    monkeypatch.delenv("MHA2MLA_KERNELS", raising=False)
+    assert decode_attention_backend("cpu", "torch") == "reference"
+    assert decode_attention_backend("cpu", "auto") == "reference"  # never the slow interpreter by itself
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert decode_attention_backend("cpu", "kernel") == "triton"
+    monkeypatch.setenv("MHA2MLA_KERNELS", "triton")
+    assert decode_attention_backend("cpu", "auto") == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UserError, match="MHA2MLA_KERNELS=triton"):
+        decode_attention_backend("cpu", "auto")
+    with pytest.raises(UserError, match="cannot run on cpu"):
+        decode_attention_backend("cpu", "kernel")
+    with pytest.raises(UserError, match="not one of auto, torch, kernel"):
+        decode_attention_backend("cpu", "flash")
+    if torch.cuda.is_available():
+        monkeypatch.setenv("MHA2MLA_KERNELS", "auto")
+        assert decode_attention_backend("cuda", "auto") == "triton"
+        monkeypatch.setenv("MHA2MLA_KERNELS", "reference")
+        assert decode_attention_backend("cuda", "auto") == "reference"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_latent_cache_decode_backends_agree(dtype):
+    """The model-facing entry point: the split-KV kernel and the cache-layout PyTorch reference give the same
+    o_lat over one LatentCache layer (ragged rows, stale data past each row's length), and both equal the fp32
+    ground truth ``mla_decode_latent`` reference."""
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, rank, d_rope, capacity = 3, 4, 24, 8, 80
+    layer = torch.randn(batch, capacity, rank + d_rope, generator=gen).to(DEVICE, dtype)  # (B, T_max, r + d_r)
+    query = torch.randn(batch, heads, rank + d_rope, generator=gen).to(DEVICE, dtype)
+    lengths = torch.tensor([70, 1, 33], device=DEVICE)
+    max_length, scale = 70, 0.3
+    kernel = latent_cache_decode(query, layer, lengths, max_length, rank, scale, backend="triton")
+    torch_path = latent_cache_decode(query, layer, lengths, max_length, rank, scale, backend="reference")
+    keys = layer[:, :max_length]
+    truth, _ = mla_decode_latent(query[..., :rank], query[..., rank:], keys[..., :rank], keys[..., rank:], lengths,
+                                 scale, backend="reference")
+    assert kernel.shape == torch_path.shape == (batch, heads, rank) and kernel.dtype == torch_path.dtype == dtype
+    atol = FP32_ATOL if dtype == torch.float32 else TOLERANCE[dtype][0]
+    torch.testing.assert_close(kernel.float(), truth, atol=atol, rtol=0 if dtype == torch.float32 else 5e-2)
+    torch.testing.assert_close(torch_path.float(), truth, atol=atol, rtol=0 if dtype == torch.float32 else 5e-2)
 
 
 # --------------------------------------------------------------------------------------------- decode

@@ -27,7 +27,7 @@ def generate(
     """Generate text from a converted model, decoding from the latent cache (streamed for a single prompt)."""
     import torch
 
-    from mha2mla.modeling.engine import MLAEngine
+    from mha2mla.modeling.generate import MLAEngine
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu.")

@@ -1,8 +1,13 @@
-"""Lazy, tensor-at-a-time reading of a Hugging Face safetensors checkpoint (single file or sharded)."""
+"""Lazy, tensor-at-a-time reading of a Hugging Face safetensors checkpoint (single file or sharded).
+
+The one checkpoint reader of the package: ``convert`` reads its source through it (docs/convert.md) and the
+latent-cache model its converted checkpoint (docs/generate.md), which asks for expected shapes and optional tensors.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +34,7 @@ class LazyCheckpoint:
     def _read_config(self) -> dict:
         path = self.folder / "config.json"
         if not path.exists():
-            raise UserError(f"{self.folder} has no config.json; point SOURCE at a Hugging Face model folder.")
+            raise UserError(f"{self.folder} has no config.json; point at a Hugging Face model folder.")
         try:
             return json.loads(path.read_text())
         except json.JSONDecodeError as error:
@@ -50,7 +55,7 @@ class LazyCheckpoint:
                     f"{self.folder} holds only pickle weights (.bin/.pt), which are never loaded here; "
                     "convert them to safetensors first."
                 )
-            raise UserError(f"{self.folder} has no {SINGLE_FILE} or {INDEX_FILE}; point SOURCE at a safetensors checkpoint.")
+            raise UserError(f"{self.folder} has no {SINGLE_FILE} or {INDEX_FILE}; point at a safetensors checkpoint folder.")
         return weight_map
 
     def _open(self, filename: str):
@@ -77,7 +82,12 @@ class LazyCheckpoint:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    def __contains__(self, name: str) -> bool:
+        return self.has(name)
+
+    def get(self, name: str, dtype: torch.dtype | None = torch.float32, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """The tensor ``name`` converted to ``dtype`` (None keeps the stored dtype). With ``shape``, a tensor of
+        another shape is a UserError (the weights do not match config.json). NaN or infinite values are refused."""
         if name not in self.weight_map:
             raise UserError(f"tensor {name} is missing from {self.folder}; the checkpoint is incomplete or of another family.")
         try:
@@ -86,11 +96,19 @@ class LazyCheckpoint:
             raise
         except Exception as error:
             raise UserError(f"could not read {name} from {self.folder / self.weight_map[name]} ({error}); re-download the model.") from error
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise UserError(f"tensor {name} in {self.folder} has shape {tuple(tensor.shape)} but its config.json implies "
+                            f"{tuple(shape)}; the weights and the config do not belong together.")
         if dtype is not None:
             tensor = tensor.to(dtype)
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise UserError(f"tensor {name} in {self.folder} contains NaN or infinite values; the checkpoint is corrupt.")
         return tensor
+
+    def optional(self, name: str, dtype: torch.dtype | None = torch.float32,
+                 shape: Sequence[int] | None = None) -> torch.Tensor | None:
+        """:meth:`get` for a tensor the checkpoint may lack (a bias): None when it is absent."""
+        return self.get(name, dtype, shape) if self.has(name) else None
 
     def stored_dtype(self, name: str) -> torch.dtype:
         return _DTYPES.get(self._open(self.weight_map[name]).get_slice(name).get_dtype(), torch.float32)

@@ -1,4 +1,4 @@
-"""Triton absorbed decode over the latent cache: split-KV, then a log-sum-exp merge (DESIGN §4, §5).
+"""Triton absorbed decode over the latent cache: split-KV, then a log-sum-exp merge (docs/kernels.md).
 
 Pass 1 (``_decode_split_kernel``), grid (head groups, B, splits): a program owns one slice of one
 sequence's cache rows and a group of BLOCK_H heads. For every tile of BLOCK_N cache rows it loads the

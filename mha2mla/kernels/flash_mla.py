@@ -1,4 +1,4 @@
-"""Triton causal flash attention for MLA training and prefill (DESIGN §5).
+"""Triton causal flash attention for MLA training and prefill (docs/kernels.md).
 
 What differs from ordinary flash attention:
 

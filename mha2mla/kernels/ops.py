@@ -1,4 +1,7 @@
-"""Public entry points. Each picks Triton or the PyTorch reference (see ``backend.choose_backend``)."""
+"""Public entry points. Each runs Triton or the PyTorch reference as ``mha2mla.kernels.backend`` decides
+(docs/kernels.md): ``backend=None`` asks ``choose_backend`` about the tensors; the latent-cache model passes the
+answer ``decode_attention_backend`` gave it once. Triton modules are imported on first use only, so that this
+module imports without Triton (CPU installs) and compiles nothing until a kernel runs."""
 
 from __future__ import annotations
 
@@ -59,6 +62,30 @@ def mla_decode_latent(
     return reference.mla_decode_latent_reference(q_lat, q_pe, latent, k_pe, cache_seqlens, softmax_scale)
 
 
+def latent_cache_decode(
+    query: torch.Tensor,
+    cache_layer: torch.Tensor,
+    lengths: torch.Tensor,
+    max_length: int,
+    kv_lora_rank: int,
+    softmax_scale: float,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Absorbed decode attention of the latent-cache model (docs/generate.md), one new token per row.
+
+    query (B, H, r + d_r) = ``[W_UK^T q_nope ; q_pe]``, cache_layer (B, T_max, r + d_r) one layer of the
+    LatentCache, lengths (B,) valid rows (the new token included), max_length = max(lengths) as a host int ->
+    o_lat (B, H, r) in query's dtype; W_UV is the caller's. "triton" runs the split-KV kernel over views of
+    the cache rows, "reference" :func:`reference.latent_cache_decode_reference`."""
+    backend = backend or choose_backend(query, cache_layer)
+    if backend == "triton":
+        latent, k_pe = reference.split_latent_cache(cache_layer[:, :max_length], kv_lora_rank)  # views (B, T, r), (B, T, d_r)
+        out_latent, _ = mla_decode_latent(query[..., :kv_lora_rank], query[..., kv_lora_rank:], latent, k_pe, lengths,
+                                          softmax_scale, backend="triton")  # (B, H, r) fp32
+        return out_latent.to(query.dtype)
+    return reference.latent_cache_decode_reference(query, cache_layer, lengths, max_length, kv_lora_rank, softmax_scale)
+
+
 def mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -70,7 +97,7 @@ def mla_decode(
     num_splits: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """One decode step from the latent cache with absorbed weights (DESIGN §4).
+    """One decode step from the latent cache with absorbed weights (docs/kernels.md).
 
     q_nope (B, H, d_n), q_pe (B, H, d_r) rotated, latent_cache (B, T, r + d_r) = [normalised latent c,
     rotated k_pe] per token (only the first cache_seqlens[b] rows of sequence b are read),

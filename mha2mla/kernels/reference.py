@@ -125,6 +125,24 @@ def mla_decode_latent_reference(
     return o_lat, lse
 
 
+def latent_cache_decode_reference(
+    query: torch.Tensor, cache_layer: torch.Tensor, lengths: torch.Tensor, max_length: int, kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """The latent-cache model's absorbed decode attention in PyTorch, in the cache's own layout and dtype.
+
+    query (B, H, r + d_r) = ``[W_UK^T q_nope ; q_pe]`` per head, cache_layer (B, T_max, r + d_r) = ``[c ; k_pe]``
+    per token, lengths (B,) valid rows (the new token already written), max_length = max(lengths) ->
+    o_lat (B, H, r) in query's dtype. Unlike :func:`mla_decode_latent_reference` (the fp32 ground truth of the
+    kernel tests) the two matmuls run in the cache dtype, only the softmax in fp32: it is the fast fallback."""
+    keys = cache_layer[:, :max_length]  # (B, T, r + d_r): one matmul scores against latent and rope key together
+    scores = torch.matmul(query, keys.transpose(1, 2)).float() * scale  # (B, H, T)
+    invalid = torch.arange(max_length, device=query.device)[None, :] >= lengths[:, None]  # (B, T)
+    scores = scores.masked_fill(invalid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)  # (B, H, T)
+    return torch.matmul(probs, keys[..., :kv_lora_rank])  # (B, H, r)
+
+
 def mla_decode_reference(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Absorbed inference weights (DESIGN §4).
+"""Absorbed inference weights (docs/generate.md, docs/kernels.md).
 
 For a DeepSeek-V3 layer, ``kv_b_proj.weight`` has shape ``[H * (d_n + d_v), r]``; per head ``h`` its
 first ``d_n`` rows are W_UK[h] and the next ``d_v`` rows are W_UV[h]. Decoding from the latent cache
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from mha2mla import UserError
 
 ABSORBED_WEIGHTS = "absorbed.safetensors"
 ABSORBED_INDEX = "absorbed.json"
@@ -85,8 +87,6 @@ def write_absorbed(folder: str | Path, state_dict_or_getter, config) -> None:
 
 def load_absorbed(folder: str | Path, device: str | torch.device = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
     """Read ``absorbed.json`` and ``absorbed.safetensors`` from a converted model folder."""
-    from mha2mla import UserError
-
     folder = Path(folder)
     if not (folder / ABSORBED_INDEX).exists() or not (folder / ABSORBED_WEIGHTS).exists():
         raise UserError(f"{folder} has no absorbed weights ({ABSORBED_WEIGHTS}); convert it with `mha2mla convert`.")

@@ -5,6 +5,8 @@ One preallocated tensor ``[L, B, T_max, r + d_r]`` holds, for every layer, batch
 ``k_pe`` (``d_r`` values) — exactly what transformers' DeepseekV3 caches, laid out side by side so
 that one matmul scores a query against both. Sequences are ragged: row ``b`` holds ``lengths[b]`` valid
 positions starting at 0 (no left padding, so every sequence keeps its own positions 0, 1, 2, ...).
+
+Attention over it is ``mha2mla.kernels.ops.latent_cache_decode`` (docs/generate.md, docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -98,38 +100,3 @@ class LatentCache:
             max_length=self.max_length,
         )
 
-
-def absorbed_decode_attention_torch(
-    query: torch.Tensor, cache_layer: torch.Tensor, lengths: torch.Tensor, max_length: int, kv_lora_rank: int,
-    scale: float,
-) -> torch.Tensor:
-    """Absorbed attention of one new token per row over the latent cache, in plain PyTorch.
-
-    query (B, H, r + d_r): ``[W_UK^T q_nope ; q_pe]`` per head; cache_layer (B, T_max, r + d_r); lengths (B,)
-    valid positions per row (the new token already written), max_length = max(lengths).
-    Returns o_lat (B, H, r) = sum_t softmax_t(scale * query . cache[t]) c[t]; W_UV is applied by the caller.
-    """
-    tokens = max_length
-    keys = cache_layer[:, :tokens]  # (B, T, r + d_r)
-    scores = torch.matmul(query, keys.transpose(1, 2)).float() * scale  # (B, H, T)
-    positions = torch.arange(tokens, device=query.device)
-    invalid = positions[None, :] >= lengths[:, None]  # (B, T)
-    scores = scores.masked_fill(invalid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)  # (B, H, T)
-    return torch.matmul(probs, keys[..., :kv_lora_rank])  # (B, H, r)
-
-
-def absorbed_decode_attention_kernel(
-    query: torch.Tensor, cache_layer: torch.Tensor, lengths: torch.Tensor, max_length: int, kv_lora_rank: int,
-    scale: float,
-) -> torch.Tensor:
-    """The same contract as :func:`absorbed_decode_attention_torch`, computed by the split-KV decode of
-    ``mha2mla.kernels`` (Triton on CUDA tensors, or in Triton's interpreter when TRITON_INTERPRET=1)."""
-    from mha2mla.kernels.ops import mla_decode_latent
-
-    keys = cache_layer[:, :max_length]  # (B, T, r + d_r)
-    out_latent, _ = mla_decode_latent(
-        query[..., :kv_lora_rank], query[..., kv_lora_rank:], keys[..., :kv_lora_rank], keys[..., kv_lora_rank:],
-        lengths, scale,
-    )  # (B, H, r) fp32
-    return out_latent.to(query.dtype)

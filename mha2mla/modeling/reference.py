@@ -1,7 +1,7 @@
 """A plain-PyTorch MLA attention written the way serving engines compute it, independent of
 transformers' DeepseekV3 attention code: GPT-J (interleaved) rope on q_pe / k_pe, and optionally the
 absorbed form that reads only the latent cache. It is the package's own forward for the exactness
-ladder (DESIGN §3 rung d) and for checking the absorbed weights (§4).
+ladder (docs/convert.md, rung d) and for checking the absorbed weights (docs/generate.md).
 
 Only plain rope (``rope_type: default``) is supported here; the serving engines' yarn is not.
 """

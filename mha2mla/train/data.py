@@ -1,4 +1,5 @@
-"""Training text: read documents, tokenize, pack them into fixed-length rows that respect document boundaries.
+"""Training text: read documents (mha2mla.io.documents, docs/recover.md), tokenize, pack them into fixed-length
+rows that respect document boundaries.
 
 A packed row holds several documents back to back (each followed by EOS). Positions restart at 0 at every
 document start (and at the start of every row, where a long document continues), so
@@ -13,22 +14,17 @@ The first token of every segment is never a prediction target (it would be predi
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from itertools import chain
 
 import torch
 
 from mha2mla import UserError
+from mha2mla.io.documents import iter_documents
 
 log = logging.getLogger(__name__)
-
-TEXT_SUFFIXES = (".txt", ".md", ".rst")
-JSONL_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
-DATA_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 
 @dataclass
@@ -51,108 +47,6 @@ class PackedSequences:
         head = PackedSequences(self.input_ids[:count], self.position_ids[:count], 0, 0)
         tail = PackedSequences(self.input_ids[count:], self.position_ids[count:], self.num_documents, self.dropped_tokens)
         return head, tail
-
-
-# ---------------------------------------------------------------------------------------------- reading
-
-
-def is_local(source: str) -> bool:
-    return Path(source).exists() or Path(source).suffix.lower() in DATA_SUFFIXES or source.startswith((".", "/", "~"))
-
-
-def resolve_files(source: str) -> list[Path]:
-    """A data file, or every data file under a folder (sorted, recursive)."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise UserError(f"data {source} does not exist; give a .txt/.jsonl/.parquet file, a folder of them, or a dataset id.")
-    if path.is_file():
-        if path.suffix.lower() not in DATA_SUFFIXES:
-            raise UserError(f"{path} is not a .txt, .jsonl or .parquet file.")
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
-    if not files:
-        raise UserError(f"folder {path} holds no .txt, .jsonl or .parquet files.")
-    return files
-
-
-def _read_text(path: Path) -> str:
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {error.start}); re-encode it as UTF-8.") from None
-    if not text.strip():
-        raise UserError(f"{path} is empty; remove it from --data or give it some text.")
-    return text
-
-
-def _documents_in_file(path: Path, text_field: str) -> Iterator[str]:
-    suffix = path.suffix.lower()
-    if suffix in TEXT_SUFFIXES:  # a text file is one document
-        yield _read_text(path)
-        return
-    if suffix in JSONL_SUFFIXES:
-        count = 0
-        for line_number, line in enumerate(_read_text(path).splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{line_number} is not valid JSON; each line of a .jsonl file must be one object.") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise UserError(f"{path}:{line_number} has no string field {text_field!r}; pick the field with --text-field.")
-            if record[text_field].strip():
-                count += 1
-                yield record[text_field]
-        if count == 0:
-            raise UserError(f"{path} holds no non-empty {text_field!r} texts.")
-        return
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:  # pragma: no cover - pyarrow is in the parquet extra
-        raise UserError("reading .parquet needs pyarrow; install mha2mla[parquet].") from None
-    try:
-        table = pq.read_table(path, columns=[text_field])
-    except Exception as error:
-        raise UserError(f"cannot read column {text_field!r} from {path} ({str(error).splitlines()[0]}).") from None
-    texts = [t for t in table.column(text_field).to_pylist() if isinstance(t, str) and t.strip()]
-    if not texts:
-        raise UserError(f"{path} holds no non-empty {text_field!r} texts.")
-    yield from texts
-
-
-def _documents_in_hub_dataset(dataset_id: str, text_field: str) -> Iterator[str]:
-    name, _, split = dataset_id.partition("@")
-    try:
-        from datasets import load_dataset
-
-        stream = load_dataset(name, split=split or "train", streaming=True)
-        first = True
-        for record in stream:
-            if first and text_field not in record:
-                raise UserError(f"dataset {name} has no field {text_field!r}; pick the field with --text-field.")
-            first = False
-            text = record[text_field]
-            if isinstance(text, str) and text.strip():
-                yield text
-    except UserError:
-        raise
-    except Exception as error:
-        raise UserError(
-            f"cannot stream dataset {dataset_id!r} ({str(error).splitlines()[0][:200]}); "
-            "check the id and network access, or pass local files."
-        ) from None
-
-
-def iter_documents(sources: Iterable[str], text_field: str = "text") -> Iterator[str]:
-    """Documents of every source in order: local files (whole .txt files, .jsonl lines, .parquet rows)
-    or a Hugging Face dataset id (``name`` or ``name@split``, streamed)."""
-    for source in sources:
-        if is_local(source):
-            for path in resolve_files(source):
-                yield from _documents_in_file(path, text_field)
-        else:
-            yield from _documents_in_hub_dataset(source, text_field)
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -201,10 +95,12 @@ def tokenize_documents(tokenizer, documents: Iterable[str]) -> Iterator[list[int
         yield ids
 
 
-def build_packed(tokenizer, sources: list[str], seq_len: int, text_field: str = "text", max_rows: int | None = None,
-                 what: str = "training data") -> PackedSequences:
-    """Read, tokenize and pack ``sources``; a corpus that cannot fill one row is a user error."""
-    packed = pack_token_lists(tokenize_documents(tokenizer, iter_documents(sources, text_field)), seq_len, max_rows)
+def build_packed(tokenizer, sources: list[str], seq_len: int, text_field: str | None = "text",
+                 max_rows: int | None = None, what: str = "training data") -> PackedSequences:
+    """Read (mha2mla.io.documents: files, folders, dataset ids), tokenize and pack ``sources``; a corpus that cannot
+    fill one row is a user error. ``text_field`` None picks the first of text/content/document/body per record."""
+    documents = chain.from_iterable(iter_documents(source, text_field) for source in sources)
+    packed = pack_token_lists(tokenize_documents(tokenizer, documents), seq_len, max_rows)
     if len(packed) == 0:
         raise UserError(
             f"the {what} ({', '.join(sources)}) has {packed.dropped_tokens} tokens, fewer than one packed sequence "

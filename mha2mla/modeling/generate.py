@@ -1,0 +1,187 @@
+"""Generation from the latent cache (docs/generate.md): the batched loop, sampling, streamed detokenisation, EOS.
+
+The forward passes are :class:`mha2mla.modeling.model.MLAModel`'s; :class:`MLAEngine` adds the tokenizer and the
+EOS ids of the checkpoint folder and runs prefill once, then one absorbed decode step per generated token.
+
+    engine = MLAEngine.from_pretrained("out/smollm2-mla", device="cpu")
+    [result] = engine.generate(["The latent cache"], max_new_tokens=32, stream=lambda row, text: print(text, end=""))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from mha2mla import UserError
+from mha2mla.modeling.model import MLAModel
+
+StreamCallback = Callable[[int, str], None]  # (row, new text)
+
+
+@dataclass
+class Generation:
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"  # "eos" or "length"
+    logits: torch.Tensor | None = None  # (len(tokens), V) fp32, when asked for
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,). temperature <= 0 is greedy; top_p keeps the smallest set of most
+    probable tokens whose mass reaches top_p."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token always survives
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class IncrementalDetokenizer:
+    """Streams the text of each row as tokens arrive, holding back incomplete multi-byte characters."""
+
+    def __init__(self, tokenizer, rows: int):
+        self.tokenizer = tokenizer
+        self.emitted = [0] * rows
+
+    def push(self, row: int, tokens: list[int], final: bool = False) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        new = text[self.emitted[row] :]
+        self.emitted[row] = len(text)
+        return new
+
+
+def eos_token_ids(folder: Path, config, tokenizer) -> list[int]:
+    """Every EOS id the folder declares: config.json, generation_config.json and the tokenizer's."""
+    ids: set[int] = set()
+
+    def add(value):
+        if value is None:
+            return
+        ids.update([value] if isinstance(value, int) else value)
+
+    add(config.eos_token_id)
+    generation_config = folder / "generation_config.json"
+    if generation_config.exists():
+        add(json.loads(generation_config.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def _sampling_generator(temperature: float, seed: int | None, device: torch.device) -> torch.Generator | None:
+    """A generator of its own (torch's global one is never touched): seeded, or random when seed is None."""
+    if temperature <= 0:
+        return None
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+class MLAEngine:
+    """An :class:`MLAModel` with its tokenizer and EOS ids: batched, ragged generation from the latent cache."""
+
+    def __init__(self, model: MLAModel, tokenizer=None, eos_token_ids: Sequence[int] = ()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | str | None = None, load_tokenizer: bool = True,
+                        decode_attention: str = "auto") -> MLAEngine:
+        """Load a converted checkpoint folder: the model (see :meth:`MLAModel.from_pretrained` for ``dtype`` and
+        ``decode_attention``), the tokenizer when the folder has one, and the EOS ids."""
+        folder = Path(folder)
+        model = MLAModel.from_pretrained(folder, device=device, dtype=dtype, decode_attention=decode_attention)
+        tokenizer = None
+        if load_tokenizer:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+            except (OSError, ValueError):  # a folder without tokenizer files: token ids only
+                tokenizer = None
+        return cls(model, tokenizer, eos_token_ids(folder, model.config, tokenizer))
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UserError("the model folder has no tokenizer; pass token ids instead of text.")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stream: StreamCallback | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        return_logits: bool = False,
+    ) -> list[Generation]:
+        """Generate up to ``max_new_tokens`` for every prompt (text or token ids), batched with ragged lengths.
+
+        Greedy when temperature is 0, else sampling with temperature and top-p from a generator seeded with
+        ``seed``. A row stops at its first EOS token (kept in ``tokens``, not in ``text``). ``stream(row, text)``
+        receives each row's new text as it is produced."""
+        if not prompts:
+            raise UserError("give at least one prompt.")
+        if max_new_tokens < 1:
+            raise UserError("--max-new-tokens must be at least 1.")
+        if not 0.0 < top_p <= 1.0:
+            raise UserError("top-p must be in (0, 1].")
+        encoded = [self.encode(p) for p in prompts]
+        results = [Generation(prompt_tokens=ids) for ids in encoded]
+        eos = set(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        generator = _sampling_generator(temperature, seed, self.model.device)
+        cache = self.model.new_cache(len(encoded), max(len(ids) for ids in encoded) + max_new_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, len(encoded)) if self.tokenizer is not None and stream else None
+        step_logits: list[list[torch.Tensor]] = [[] for _ in encoded]
+        finished = [False] * len(encoded)
+
+        logits = self.model.prefill(cache, encoded)
+        for step in range(max_new_tokens):
+            next_tokens = sample_next(logits, temperature, top_p, generator)  # (B,)
+            last_step = step == max_new_tokens - 1
+            for row, token in enumerate(next_tokens.tolist()):
+                if finished[row]:
+                    continue
+                results[row].tokens.append(token)
+                if return_logits:
+                    step_logits[row].append(logits[row].cpu())
+                if token in eos:
+                    finished[row] = True
+                    results[row].finish_reason = "eos"
+                if detok is not None:
+                    piece = detok.push(row, results[row].tokens, final=finished[row] or last_step)
+                    if piece:
+                        stream(row, piece)
+            if all(finished) or last_step:
+                break
+            logits = self.model.decode(cache, next_tokens)
+        for row, result in enumerate(results):
+            if self.tokenizer is not None:
+                result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+            if return_logits:
+                result.logits = torch.stack(step_logits[row])
+        return results
+
+
+__all__ = ["Generation", "IncrementalDetokenizer", "MLAEngine", "StreamCallback", "eos_token_ids", "sample_next"]

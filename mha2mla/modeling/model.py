@@ -1,0 +1,364 @@
+"""The latent-cache MLA model: weights and forward passes of a converted DeepSeek-V3 checkpoint (docs/generate.md).
+
+The model computes DeepSeek-V3 itself from the checkpoint's tensors (read lazily by
+:class:`mha2mla.io.reader.LazyCheckpoint`):
+
+- **prefill** (the prompt) runs un-absorbed: the latent is expanded through ``kv_b_proj`` into per-head keys and
+  values once, and attention is causal SDPA; the normalised latent ``c`` and the rotated rope key ``k_pe`` are
+  written to the :class:`~mha2mla.modeling.latent_cache.LatentCache`;
+- **decode** (one token per row and step) runs absorbed: ``q_lat = W_UK^T q_nope`` per head, scores against the
+  cached ``[c ; k_pe]``, ``o_lat = sum p c``, then ``W_UV`` and ``o_proj``. Keys and values are never expanded
+  per head, so a step reads only ``r + d_r`` values per cached token per layer. Which implementation computes
+  that attention (the Triton split-KV kernel or PyTorch) is decided once by
+  :func:`mha2mla.kernels.backend.decode_attention_backend`.
+
+Logits equal transformers' ``DeepseekV3ForCausalLM`` on the same checkpoint (tests/test_generate.py). The
+generation loop, sampling and detokenisation live in :mod:`mha2mla.modeling.generate`.
+
+    model = MLAModel.from_pretrained("out/smollm2-mla", device="cpu")
+    cache = model.new_cache(batch_size=1, max_tokens=64)
+    logits = model.prefill(cache, [[1, 2, 3]])
+    logits = model.decode(cache, logits.argmax(-1))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+from mha2mla import UserError
+from mha2mla.io.reader import LazyCheckpoint
+from mha2mla.kernels.backend import decode_attention_backend
+from mha2mla.kernels.ops import latent_cache_decode
+from mha2mla.modeling.absorbed import load_absorbed, softmax_scale, split_kv_b
+from mha2mla.modeling.latent_cache import LatentCache
+from mha2mla.modeling.rmsnorm import rms_norm
+
+LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm with its default eps, not rms_norm_eps
+
+
+# ----------------------------------------------------------------------------------------------------------
+# weights
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # (D,)
+    post_attention_norm: torch.Tensor  # (D,)
+    q_proj: torch.Tensor | None  # (H*(d_n+d_r), D) when q_lora_rank is None
+    q_a_proj: torch.Tensor | None  # (q_r, D)
+    q_a_bias: torch.Tensor | None  # (q_r,)
+    q_a_norm: torch.Tensor | None  # (q_r,)
+    q_b_proj: torch.Tensor | None  # (H*(d_n+d_r), q_r)
+    kv_a_proj: torch.Tensor  # (r + d_r, D)
+    kv_a_bias: torch.Tensor | None  # (r + d_r,)
+    kv_a_norm: torch.Tensor  # (r,)
+    kv_b_proj: torch.Tensor  # (H*(d_n+d_v), r), prefill only
+    w_uk: torch.Tensor  # (H, d_n, r)
+    w_uv_t: torch.Tensor  # (H, r, d_v)  W_UV transposed for a batched matmul
+    o_proj: torch.Tensor  # (D, H*d_v)
+    o_bias: torch.Tensor | None  # (D,)
+    gate_proj: torch.Tensor  # (I, D)
+    up_proj: torch.Tensor  # (I, D)
+    down_proj: torch.Tensor  # (D, I)
+
+
+def check_config(config) -> None:
+    """Refuse configs the model does not compute: other architectures, MoE layers, GQA, dynamic NTK rope."""
+    if getattr(config, "model_type", None) != "deepseek_v3":
+        raise UserError(f"the model is a {config.model_type!r} checkpoint; `generate` needs a converted deepseek_v3 one.")
+    if config.first_k_dense_replace < config.num_hidden_layers:
+        raise UserError("the checkpoint has MoE layers (first_k_dense_replace < num_hidden_layers); only dense MLA models are supported.")
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise UserError("num_key_value_heads must equal num_attention_heads in an MLA checkpoint.")
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise UserError("dynamic NTK rope scaling is not supported by the latent-cache model; use plain rope or yarn.")
+
+
+def _check_absorbed_index(index: dict, config) -> None:
+    for key in ("num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+        value = getattr(config, key)
+        if index.get(key) != value:
+            raise UserError(f"absorbed.json says {key}={index.get(key)} but config.json says {value}; re-run `mha2mla convert`.")
+
+
+def _check_absorbed_layer(layer: int, kv_b: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, config) -> None:
+    """The absorbed factors must have the config's shapes and be the split of this layer's kv_b_proj."""
+    H, d_n, d_v, r = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+    if tuple(w_uk.shape) != (H, d_n, r) or tuple(w_uv.shape) != (H, d_v, r):
+        raise UserError(f"absorbed weights of layer {layer} have shapes {tuple(w_uk.shape)}/{tuple(w_uv.shape)}, "
+                        f"expected {(H, d_n, r)}/{(H, d_v, r)}; re-run `mha2mla convert`.")
+    expect_uk, expect_uv = split_kv_b(kv_b.float(), H, d_n, d_v)
+    tol = 1e-2 * float(kv_b.float().abs().max()) + 1e-6
+    if (w_uk.float() - expect_uk).abs().max() > tol or (w_uv.float() - expect_uv).abs().max() > tol:
+        raise UserError(f"absorbed.safetensors does not match kv_b_proj of layer {layer} (stale after fine-tuning?); "
+                        "rewrite it with mha2mla.modeling.absorbed.write_absorbed.")
+
+
+def _load_layer(reader: LazyCheckpoint, absorbed: dict[str, torch.Tensor], config, layer: int, put) -> LayerWeights:
+    """Layer ``layer``'s tensors, shape-checked against the config and moved by ``put`` to the model's device/dtype."""
+    H, D, r, d_r = config.num_attention_heads, config.hidden_size, config.kv_lora_rank, config.qk_rope_head_dim
+    d_n, d_v, inter, q_lora = config.qk_nope_head_dim, config.v_head_dim, config.intermediate_size, config.q_lora_rank
+    p = f"model.layers.{layer}."
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        return put(reader.get(p + name, dtype=None, shape=shape))
+
+    def optional(name: str, *shape: int) -> torch.Tensor | None:
+        tensor = reader.optional(p + name, dtype=None, shape=shape)
+        return None if tensor is None else put(tensor)
+
+    kv_b = reader.get(p + "self_attn.kv_b_proj.weight", dtype=None, shape=(H * (d_n + d_v), r))
+    w_uk, w_uv = absorbed[f"layers.{layer}.w_uk"], absorbed[f"layers.{layer}.w_uv"]
+    _check_absorbed_layer(layer, kv_b, w_uk, w_uv, config)
+    return LayerWeights(
+        input_norm=get("input_layernorm.weight", D),
+        post_attention_norm=get("post_attention_layernorm.weight", D),
+        q_proj=get("self_attn.q_proj.weight", H * (d_n + d_r), D) if q_lora is None else None,
+        q_a_proj=get("self_attn.q_a_proj.weight", q_lora, D) if q_lora else None,
+        q_a_bias=optional("self_attn.q_a_proj.bias", q_lora) if q_lora else None,
+        q_a_norm=get("self_attn.q_a_layernorm.weight", q_lora) if q_lora else None,
+        q_b_proj=get("self_attn.q_b_proj.weight", H * (d_n + d_r), q_lora) if q_lora else None,
+        kv_a_proj=get("self_attn.kv_a_proj_with_mqa.weight", r + d_r, D),
+        kv_a_bias=optional("self_attn.kv_a_proj_with_mqa.bias", r + d_r),
+        kv_a_norm=get("self_attn.kv_a_layernorm.weight", r),
+        kv_b_proj=put(kv_b),
+        w_uk=put(w_uk),
+        w_uv_t=put(w_uv.transpose(1, 2)),
+        o_proj=get("self_attn.o_proj.weight", D, H * d_v),
+        o_bias=optional("self_attn.o_proj.bias", D),
+        gate_proj=get("mlp.gate_proj.weight", inter, D),
+        up_proj=get("mlp.up_proj.weight", inter, D),
+        down_proj=get("mlp.down_proj.weight", D, inter),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rope
+
+
+class Rope:
+    """Rotary frequencies exactly as transformers' DeepseekV3RotaryEmbedding computes them (rope scaling
+    included: the same ROPE_INIT_FUNCTIONS give inv_freq and the attention scaling; longrope switches to its
+    long factors when a forward pass reaches past original_max_position_embeddings, as transformers does)."""
+
+    def __init__(self, config, device):
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        if self.rope_type == "default":
+            inv_freq, scaling = DeepseekV3RotaryEmbedding.compute_default_rope_parameters(config)
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, None)
+        self.inv_freq = inv_freq.float().to(device)  # (d_r/2,)
+        self.attention_scaling = float(scaling)
+        self.long_inv_freq = None
+        if self.rope_type == "longrope":
+            original = config.rope_parameters["original_max_position_embeddings"]
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=original + 1)
+            self.long_inv_freq = long_inv_freq.float().to(device)
+            self.original_max_positions = original
+        self.interleaved = bool(config.rope_interleave)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (...) -> cos, sin (..., d_r/2): one angle per rotation pair."""
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None and int(positions.max()) + 1 > self.original_max_positions:
+            inv_freq = self.long_inv_freq
+        angles = positions[..., None].float() * inv_freq  # (..., d_r/2)
+        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x (..., d_r) with cos/sin broadcastable to (..., d_r/2). Output in half-split layout for the
+        interleaved case, like transformers (q and k share it, so their dot products are unchanged)."""
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the model
+
+
+class MLAModel:
+    """Weights of a converted dense DeepSeek-V3 checkpoint and its prefill / absorbed-decode forward passes."""
+
+    def __init__(self, config, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, device: torch.device, dtype: torch.dtype, decode_attention: str = "auto"):
+        self.config = config
+        self.embed = embed  # (V, D)
+        self.layers = layers
+        self.final_norm = final_norm  # (D,)
+        self.lm_head = lm_head  # (V, D), the embedding itself when tied
+        self.device = device
+        self.dtype = dtype
+        self.num_heads = config.num_attention_heads
+        self.kv_lora_rank = config.kv_lora_rank
+        self.rope_dim = config.qk_rope_head_dim
+        self.nope_dim = config.qk_nope_head_dim
+        self.v_dim = config.v_head_dim
+        self.scale = softmax_scale(config)
+        self.rope = Rope(config, device)
+        self.act = ACT2FN[config.hidden_act]
+        self.decode_backend = decode_attention_backend(device, decode_attention)  # "triton" or "reference"
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | str | None = None, decode_attention: str = "auto") -> MLAModel:
+        """Load the weights of a converted checkpoint folder (config, safetensors, absorbed weights).
+
+        dtype defaults to float32 on CPU and bfloat16 on CUDA. decode_attention: "torch" (plain PyTorch),
+        "kernel" (mha2mla.kernels' split-KV decode), or "auto" (the kernel on CUDA, PyTorch on CPU); see
+        :func:`mha2mla.kernels.backend.decode_attention_backend`."""
+        folder = Path(folder)
+        if not (folder / "config.json").exists():
+            raise UserError(f"{folder} has no config.json; point at a folder written by `mha2mla convert`.")
+        device = torch.device(device)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        config = AutoConfig.from_pretrained(folder)
+        check_config(config)
+        index, absorbed = load_absorbed(folder)
+        _check_absorbed_index(index, config)
+        reader = LazyCheckpoint(folder)
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        layers = [_load_layer(reader, absorbed, config, i, put) for i in range(config.num_hidden_layers)]
+        D, V = config.hidden_size, config.vocab_size
+        embed = put(reader.get("model.embed_tokens.weight", dtype=None, shape=(V, D)))
+        lm_head = embed
+        if "lm_head.weight" in reader and not config.tie_word_embeddings:
+            lm_head = put(reader.get("lm_head.weight", dtype=None, shape=(V, D)))
+        final_norm = put(reader.get("model.norm.weight", dtype=None, shape=(D,)))
+        return cls(config, embed, layers, final_norm, lm_head, device, dtype, decode_attention)
+
+    def new_cache(self, batch_size: int, max_tokens: int) -> LatentCache:
+        return LatentCache.allocate(self.config.num_hidden_layers, batch_size, max_tokens, self.kv_lora_rank,
+                                    self.rope_dim, self.dtype, self.device)
+
+    # -- pieces of a layer ----------------------------------------------------------------------------------
+
+    def _query(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """x (..., D) -> q (..., H*(d_n+d_r))."""
+        if w.q_proj is not None:
+            return F.linear(x, w.q_proj)
+        q_latent = rms_norm(F.linear(x, w.q_a_proj, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS)
+        return F.linear(q_latent, w.q_b_proj)
+
+    def _latent(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (..., D) -> normalised latent c (..., r), un-rotated rope key (..., d_r)."""
+        compressed = F.linear(x, w.kv_a_proj, w.kv_a_bias)  # (..., r + d_r)
+        latent, rope_key = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS), rope_key
+
+    def _mlp_block(self, w: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the layer's post-attention norm and dense MLP."""
+        x = rms_norm(hidden, w.post_attention_norm, self.config.rms_norm_eps)
+        return hidden + F.linear(self.act(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    # -- forward passes --------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, cache: LatentCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run the prompts (one per cache row, ragged) through the un-absorbed path, fill the cache, and
+        return the logits at each prompt's last token, (B, V) fp32."""
+        if len(prompts) != cache.batch_size:
+            raise ValueError(f"{len(prompts)} prompts for a cache of {cache.batch_size} rows")
+        prompt_lengths = [len(p) for p in prompts]
+        if min(prompt_lengths) < 1:
+            raise UserError("every prompt needs at least one token.")
+        lengths = torch.tensor(prompt_lengths, dtype=torch.long, device=self.device)
+        B, T = len(prompts), max(prompt_lengths)
+        H, d_n, d_r, d_v = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
+        ids = torch.zeros(B, T, dtype=torch.long, device=self.device)  # right padding; causal attention keeps
+        for row, prompt in enumerate(prompts):  # padding out of every real token's view
+            ids[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+        cos, sin = self.rope.cos_sin(torch.arange(T, device=self.device), self.dtype)  # (T, d_r/2)
+        hidden = F.embedding(ids, self.embed)  # (B, T, D)
+        for index, w in enumerate(self.layers):
+            x = rms_norm(hidden, w.input_norm, self.config.rms_norm_eps)
+            q = self._query(w, x).view(B, T, H, d_n + d_r).transpose(1, 2)  # (B, H, T, d_n+d_r)
+            q_nope, q_pe = q.split([d_n, d_r], dim=-1)
+            latent, rope_key = self._latent(w, x)  # (B, T, r), (B, T, d_r)
+            q_pe = self.rope.apply(q_pe, cos, sin)
+            rope_key = self.rope.apply(rope_key, cos, sin)
+            cache.write_prefill(index, latent, rope_key)
+            kv = F.linear(latent, w.kv_b_proj).view(B, T, H, d_n + d_v).transpose(1, 2)  # (B, H, T, d_n+d_v)
+            k_nope, value = kv.split([d_n, d_v], dim=-1)
+            key = torch.cat([k_nope, rope_key[:, None].expand(B, H, T, d_r)], dim=-1)  # (B, H, T, d_n+d_r)
+            attn = causal_attention(torch.cat([q_nope, q_pe], dim=-1), key, value, self.scale)  # (B, H, T, d_v)
+            hidden = hidden + F.linear(attn.transpose(1, 2).reshape(B, T, H * d_v), w.o_proj, w.o_bias)
+            hidden = self._mlp_block(w, hidden)
+        cache.set_lengths(prompt_lengths)
+        last = hidden[torch.arange(B, device=self.device), lengths - 1]  # (B, D)
+        return self._logits(last)
+
+    @torch.inference_mode()
+    def decode(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:
+        """One absorbed decode step: tokens (B,) at positions cache.lengths -> logits (B, V) fp32."""
+        B = cache.batch_size
+        H, d_n, d_r, d_v, r = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank
+        positions = cache.lengths  # (B,) position of the new token in each row
+        lengths_after, max_after = positions + 1, cache.max_length + 1
+        cos, sin = self.rope.cos_sin(positions, self.dtype)  # (B, d_r/2)
+        hidden = F.embedding(tokens.to(self.device), self.embed)  # (B, D)
+        for index, w in enumerate(self.layers):
+            x = rms_norm(hidden, w.input_norm, self.config.rms_norm_eps)
+            q = self._query(w, x).view(B, H, d_n + d_r)
+            q_nope, q_pe = q.split([d_n, d_r], dim=-1)
+            q_pe = self.rope.apply(q_pe, cos[:, None], sin[:, None])  # (B, H, d_r)
+            latent, rope_key = self._latent(w, x)  # (B, r), (B, d_r)
+            cache.write_step(index, latent, self.rope.apply(rope_key, cos, sin))
+            q_latent = torch.matmul(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # (B, H, r) = W_UK^T q_nope
+            query = torch.cat([q_latent, q_pe], dim=-1)  # (B, H, r + d_r)
+            out_latent = latent_cache_decode(query, cache.layer(index), lengths_after, max_after, r, self.scale,
+                                             backend=self.decode_backend)  # (B, H, r)
+            out = torch.matmul(out_latent.transpose(0, 1), w.w_uv_t).transpose(0, 1)  # (B, H, d_v)
+            hidden = hidden + F.linear(out.reshape(B, H * d_v), w.o_proj, w.o_bias)
+            hidden = self._mlp_block(w, hidden)
+        cache.advance()
+        return self._logits(hidden)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA where value's head dim may differ from query/key's. PyTorch's fused kernels need equal
+    head dims (otherwise the math path materialises T x T scores), so the smaller side is zero-padded:
+    zero value channels give zero outputs, zero query/key channels add nothing to the scores."""
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    if v_dim < qk_dim:
+        out = F.scaled_dot_product_attention(query, key, F.pad(value, (0, qk_dim - v_dim)), is_causal=True, scale=scale)
+        return out[..., :v_dim]
+    if qk_dim < v_dim:
+        pad = (0, v_dim - qk_dim)
+        return F.scaled_dot_product_attention(F.pad(query, pad), F.pad(key, pad), value, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+
+
+def cache_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes the latent cache holds per token, all layers: (r + d_r) * layers * element size."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers * element
+
+
+__all__ = ["LATENT_NORM_EPS", "LayerWeights", "MLAModel", "Rope", "cache_bytes_per_token", "causal_attention",
+           "check_config"]
