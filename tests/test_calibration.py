@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,17 +11,15 @@ from common import build_source, logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla import UserError
-from mha2mla.convert.calibration import (
-    LayerwiseCalibration,
-    calibrated_norm,
-    calibration_token_ids,
-    load_calibration_texts,
-)
+from mha2mla.convert.calibration import LayerwiseCalibration
+from mha2mla.convert.calibration_data import calibration_documents, calibration_token_ids
 from mha2mla.convert.lowrank import joint_low_rank
+from mha2mla.convert.methods import Methods, mean_compensation, product_methods
+from mha2mla.convert.norm import stabilized_norm, unit_rms_norm
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.pipeline import convert
 from mha2mla.convert.plan import make_plan
-from mha2mla.convert.rope import head_mixing, rope_coefficients
+from mha2mla.convert.stats import LayerStatistics
 from mha2mla.families import family_for_config
 from mha2mla.io.source import open_source
 
@@ -52,11 +51,15 @@ def direct_statistics(folder, tokens, layer):
     return x.T @ x / x.shape[0], x.mean(0)
 
 
+def calibrated(profile="exact", sequential=True, **changes) -> Methods:
+    return dataclasses.replace(product_methods(profile, calibrated=True), sequential=sequential, **changes)
+
+
 def provider(folder, tokens, sequential, profile="exact", **options):
     ckpt = open_source(folder)
     family = family_for_config(ckpt.config)
-    plan = make_plan(ckpt.config, family, ConvertOptions(profile=profile, **options))
-    return LayerwiseCalibration(ckpt, family, plan, tokens, sequential=sequential, device="cpu", progress=False)
+    plan = make_plan(ckpt.config, family, ConvertOptions(profile=profile, **options), methods=calibrated(profile, sequential))
+    return LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu")
 
 
 # --- statistics collection ------------------------------------------------------------------------
@@ -65,7 +68,7 @@ def provider(folder, tokens, sequential, profile="exact", **options):
 def test_statistics_equal_a_direct_computation(sources, layer):
     tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(2))
     stats_provider = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
-    stats = stats_provider(layer)  # layer 1: the provider walks the source layer 0 itself
+    stats = stats_provider.statistics(layer)  # layer 1: the provider walks the source layer 0 itself
     covariance, mean = direct_statistics(sources["llama_gqa"], tokens, layer)
     assert stats.num_tokens == 3 * 24
     torch.testing.assert_close(stats.input_covariance, covariance, rtol=1e-5, atol=1e-5)
@@ -101,7 +104,7 @@ def test_attention_statistics_equal_a_direct_computation(sources, layer):
     from mha2mla.convert import calibration
 
     tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(5))
-    stats = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)(layer)
+    stats = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5).statistics(layer)
     values, keys, histogram = direct_attention_statistics(
         sources["llama_gqa"], tokens, layer, calibration.QUERY_STRIDE, calibration.KEY_STRIDE, calibration.KEY_DENSE,
         calibration.KEY_WEIGHT_POWER)
@@ -126,15 +129,15 @@ def test_sequential_statistics_follow_the_converted_layer(sources):
         seen = {}
 
         class Recording(LayerwiseCalibration):
-            def __call__(self, layer):
-                seen[layer] = super().__call__(layer)  # noqa: B023  (used within this iteration only)
+            def statistics(self, layer):
+                seen[layer] = super().statistics(layer)  # noqa: B023  (used within this iteration only)
                 return seen[layer]  # noqa: B023
 
         ckpt = open_source(folder)
         family = family_for_config(ckpt.config)
         options = ConvertOptions(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM)
-        plan = make_plan(ckpt.config, family, options)
-        recording = Recording(ckpt, family, plan, tokens, sequential=True, device="cpu", progress=False)
+        plan = make_plan(ckpt.config, family, options, external_statistics=True)
+        recording = Recording(ckpt, family, plan, tokens, device="cpu")
         convert(folder, out, options, statistics=recording, progress=False, force=True)
         close = torch.allclose(seen[1].input_covariance, covariance, rtol=1e-4, atol=1e-4)
         assert close == should_match, (rank, (seen[1].input_covariance - covariance).abs().max())
@@ -148,10 +151,10 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
     folder = sources["llama_gqa"]
     ckpt = open_source(folder)
     family = family_for_config(ckpt.config)
-    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, refit="output")
-    plan = make_plan(ckpt.config, family, options)
-    calibration = LayerwiseCalibration(ckpt, family, plan, tokens, sequential=True, device="cpu", progress=False,
-                                       source_stream=True)
+    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2)
+    plan = make_plan(ckpt.config, family, options, external_statistics=True)
+    assert plan.methods.refit and plan.methods.sequential  # the calibrated default
+    calibration = LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu")
     result = convert(folder, tmp_path / "out", options, statistics=calibration, progress=False)
     report = result.report["layers"][0]
     assert report["v_output_error_refit"] < report["v_output_error"]  # it validated, and helped
@@ -178,48 +181,76 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
 def test_statistics_ask_for_layers_in_order(sources):
     tokens = torch.randint(0, 384, (1, 16), generator=torch.Generator().manual_seed(4))
     stats_provider = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
-    stats_provider(1)
+    stats_provider.statistics(1)
     with pytest.raises(RuntimeError):
-        stats_provider(0)
+        stats_provider.statistics(0)
 
 
-# --- every method keeps full-capacity conversions exact (DESIGN §3 ladder, rung a) ----------------
+# --- the provider interface -------------------------------------------------------------------------
 
-METHOD_GRID = [
-    dict(rope_mixing="weight", lowrank="svd"),
-    dict(rope_mixing="activation", lowrank="pca", calib_sequential=False),
-    dict(rope_mixing="activation", lowrank="pca", calib_sequential=True),
-    dict(rope_mixing="activation", lowrank="whiten", calib_sequential=True),
-    dict(rope_mixing="query", lowrank="score", calib_sequential=True),
-    dict(rope_mixing="query", lowrank="score", calib_sequential=False),
-    dict(rope_mixing="activation", lowrank="attention", rope_compensation="mean", calib_sequential=False, refit="none"),
-    dict(rope_mixing="activation", lowrank="attention", rope_compensation="mean", calib_sequential=True, refit="none"),
-    dict(rope_mixing="activation", lowrank="attention", rope_compensation="mean", calib_sequential=True, refit="values"),
-    dict(rope_mixing="activation", lowrank="attention", rope_compensation="mean", calib_sequential=True, refit="output"),
-    dict(rope_mixing="activation", lowrank="attention", rope_compensation="mean", calib_sequential=False, refit="output"),
-]
+def test_portable_conversion_with_a_caller_supplied_provider(sources, tmp_path):
+    """A provider passed to convert() makes the plan calibrated, stabiliser channel included (this
+    raised "unknown norm calibration 'stabilized'" when the options carried no calibration text)."""
+    tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(7))
+    ckpt = open_source(sources["llama_gqa"])
+    family = family_for_config(ckpt.config)
+    options = ConvertOptions(profile="portable", kv_budget=0.5, calib=None)
+    plan = make_plan(ckpt.config, family, options, external_statistics=True)
+    assert plan.methods.kv_norm == "stabilized" and plan.extra_channels == 1
+    calibration = LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu")
+    result = convert(sources["llama_gqa"], tmp_path / "out", options, statistics=calibration, progress=False)
+    assert result.report["methods"] == plan.methods.to_dict()
+    assert "v_output_error_refit" in result.report["layers"][0]  # the refit the report names really ran
+
+
+def test_a_provider_without_refit_and_advance_is_refused(sources, tmp_path):
+    """A plain callable used to be accepted, its refit silently skipped while the report said `output`."""
+    with pytest.raises(TypeError, match="lacks statistics, refit, advance"):
+        convert(sources["llama_gqa"], tmp_path / "out", ConvertOptions(kv_budget=0.5), progress=False,
+                statistics=lambda layer: LayerStatistics())
+    assert not (tmp_path / "out").exists()
+
+
+# --- every method keeps full-capacity conversions exact (docs/design.md §3 ladder, rung a) ----------
+
+METHOD_GRID = {  # the product's two sets, and the ablations the quality benchmark re-measures
+    "default": calibrated(),
+    "default-source-stream": calibrated(sequential=False),
+    "no-refit": calibrated(refit=False),
+    "pca": calibrated(rope_compensation="none", lowrank="pca", refit=False),
+    "pca-source-stream": calibrated(sequential=False, rope_compensation="none", lowrank="pca", refit=False),
+}
 
 
 @pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
-@pytest.mark.parametrize("methods", METHOD_GRID, ids=lambda m: "-".join(str(v) for v in m.values()))
-def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, name, methods):
+@pytest.mark.parametrize("label", list(METHOD_GRID))
+def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, name, label):
+    methods = METHOD_GRID[label]
     options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="default",
-                             calib_samples=4, calib_seq_len=32, **methods)
-    result = convert(sources[name], tmp_path / "out", options, progress=False)
-    assert result.report["initialisation"] == "activation-aware"
+                             calib_samples=4, calib_seq_len=32)
+    result = convert(sources[name], tmp_path / "out", options, progress=False, methods=methods)
+    assert result.report["methods"] == methods.to_dict() and result.plan.calibrated
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
-    if methods.get("refit", "none") != "none":  # the refit ran, and found the exact heads (and o_proj) exact
+    if methods.refit:  # the refit ran, and found the exact heads and o_proj exact
         # (moment-based errors: float32 products, so ~1e-4 is zero here; a low-rank SmolLM2 layer is ~0.3)
-        errors = ["v_output_error", "v_output_error_refit"] + (["o_output_error", "o_output_error_refit"] if methods["refit"] == "output" else [])
+        errors = ["v_output_error", "v_output_error_refit", "o_output_error", "o_output_error_refit"]
         assert all(layer[key] < 1e-3 for layer in result.report["layers"] for key in errors)
 
 
-@pytest.mark.parametrize("norm", ["rms", "mean", "channel", "stabilized"])
+@pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
+def test_weight_only_is_exact_at_full_capacity(sources, input_ids, tmp_path, name):
+    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="none")
+    result = convert(sources[name], tmp_path / "out", options, progress=False)
+    assert not result.plan.calibrated and result.report["methods"]["lowrank"] == "svd"
+    difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
+    assert difference < 1e-4, difference
+
+
+@pytest.mark.parametrize("norm", ["rms", "stabilized"])
 def test_portable_norm_calibrations_write_valid_outputs_and_differ(sources, input_ids, tmp_path, norm):
-    options = ConvertOptions(profile="portable", kv_budget=0.5, calib="default", calib_samples=4, calib_seq_len=32,
-                             norm_calibration=norm)
-    convert(sources["llama_gqa"], tmp_path / "out", options, progress=False)
+    options = ConvertOptions(profile="portable", kv_budget=0.5, calib="default", calib_samples=4, calib_seq_len=32)
+    convert(sources["llama_gqa"], tmp_path / "out", options, progress=False, methods=calibrated("portable", kv_norm=norm))
     from safetensors.torch import load_file
 
     weights = load_file(str(next((tmp_path / "out").glob("model*.safetensors"))))
@@ -233,47 +264,28 @@ def test_portable_norm_calibrations_write_valid_outputs_and_differ(sources, inpu
 
 # --- the pieces -----------------------------------------------------------------------------------
 
-def test_low_rank_methods_reproduce_full_rank_and_whiten_spans_the_pca_subspace():
+def test_svd_and_pca_reproduce_full_rank_and_pca_fits_the_inputs_better():
     torch.manual_seed(0)
     G, d, D = 2, 8, 40
     key, value = torch.randn(G * d, D, dtype=torch.float64), torch.randn(G * d, D, dtype=torch.float64)
     x = torch.randn(500, D, dtype=torch.float64) * torch.linspace(0.1, 3, D, dtype=torch.float64)
     covariance = x.T @ x / 500
-    metric_q = torch.stack([a @ a.T for a in torch.randn(G, d, d, dtype=torch.float64)])
-    metric_o = torch.stack([a @ a.T for a in torch.randn(G, d, d, dtype=torch.float64)])
     stacked = torch.cat([key, value])
-    for method in ("svd", "pca", "whiten", "score"):
-        factors = joint_low_rank(key, value, 2 * G * d, covariance, method=method, key_metric=metric_q, value_metric=metric_o)
+    for cov in (None, covariance):
+        factors = joint_low_rank(key, value, 2 * G * d, cov)
         torch.testing.assert_close(factors.up @ factors.down, stacked, rtol=1e-8, atol=1e-8)
-    pca = joint_low_rank(key, value, 5, covariance, method="pca")
-    whiten = joint_low_rank(key, value, 5, covariance, method="whiten")
-    torch.testing.assert_close(pca.up @ pca.down, whiten.up @ whiten.down, rtol=1e-7, atol=1e-7)
 
+    def input_error(factors):  # E‖(M̂ - M) x‖² on the inputs
+        error = factors.up @ factors.down - stacked
+        return float(torch.einsum("ij,jk,ik->", error, covariance, error))
 
-def test_score_method_lowers_the_score_error_it_targets():
-    """At low rank the score-weighted factorisation has a smaller E[(q·(k - k̂))²] than plain PCA."""
-    torch.manual_seed(1)
-    G, d, D = 1, 8, 32
-    key, value = torch.randn(G * d, D, dtype=torch.float64), torch.randn(G * d, D, dtype=torch.float64)
-    covariance = torch.eye(D, dtype=torch.float64)
-    anisotropic = torch.diag(torch.logspace(-2, 2, d, dtype=torch.float64))[None]  # (1, d, d): queries favour some dims
-    identity = torch.eye(d, dtype=torch.float64)[None]
-
-    def score_error(factors):
-        error = (factors.up @ factors.down)[: G * d] - key  # (d, D)
-        return float(torch.einsum("id,ij,jd->", error, anisotropic[0], error))
-
-    pca = joint_low_rank(key, value, 6, covariance, method="pca")
-    score = joint_low_rank(key, value, 6, covariance, method="score", key_metric=anisotropic, value_metric=identity)
-    assert score_error(score) < score_error(pca)
+    assert input_error(joint_low_rank(key, value, 5, covariance)) < input_error(joint_low_rank(key, value, 5))
 
 
 def test_mean_rotation_stands_in_for_the_dropped_rotation():
-    """q' · k with q' from compensate_dropped_rotations equals the histogram-weighted mean of the real
+    """q' · k with q' from the mean rope compensation equals the histogram-weighted mean of the real
     rotated score q_m · k_n over distances m - n (transformers' own rotary), for every pair."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    from mha2mla.convert.attention import compensate_dropped_rotations
 
     generator = torch.Generator().manual_seed(4)
     H, d, L = 2, 8, 12
@@ -281,7 +293,8 @@ def test_mean_rotation_stands_in_for_the_dropped_rotation():
     histogram = torch.rand(H, L, dtype=torch.float64, generator=generator)
     q = torch.randn(H, d, dtype=torch.float64, generator=generator)
     k = torch.randn(H, d, dtype=torch.float64, generator=generator)
-    compensated, _ = compensate_dropped_rotations(q[:, :, None], None, histogram, frequencies)  # rows of a (H, d, 1) "weight"
+    stats = LayerStatistics(distance_histogram=histogram, pair_frequencies=frequencies)
+    compensated = mean_compensation(q[:, :, None], None, H, stats).weight  # rows of a (H, d, 1) "weight"
     angles = torch.arange(L, dtype=torch.float64)[:, None] * frequencies[None]  # (L, d/2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (L, d)
     for h in range(H):
@@ -322,60 +335,29 @@ def test_attention_aware_low_rank_captures_more_and_is_exact_at_full_rank():
         < relative_error(pca_up[0], pca_up[1], pca.down)
 
 
-def test_query_weighted_rope_coefficients():
-    torch.manual_seed(2)
-    G, d, D = 3, 8, 24
-    k_weight = torch.randn(G * d, D, dtype=torch.float64)
-    pairs = [0, 1]
-    # equal query energy per group: the orthogonal activation mixing
-    b, a = rope_coefficients(k_weight, None, pairs, d, query_energy=torch.ones(2, G, dtype=torch.float64))
-    u = head_mixing(k_weight, None, pairs, d)[:, 0]
-    torch.testing.assert_close(b, u)
-    torch.testing.assert_close(a, u)
-    # G = 1: the rope key is the head's key exactly (a * b = 1)
-    b1, a1 = rope_coefficients(k_weight[:d], None, pairs, d, query_energy=torch.full((2, 1), 7.0, dtype=torch.float64))
-    torch.testing.assert_close(a1 * b1, torch.ones(2, 1, dtype=torch.float64))
-
-
-def test_norm_calibration_matches_its_definitions():
+def test_unit_rms_norm_matches_its_definition():
     torch.manual_seed(3)
     down = torch.randn(6, 16, dtype=torch.float64)
     sample = torch.randn(300, 16, dtype=torch.float64) * torch.rand(300, 1, dtype=torch.float64)
     covariance = sample.T @ sample / 300
-    mean = calibrated_norm(down, covariance, input_sample=sample, method="mean")
-    latent = sample @ down.T / mean.latent_scale
-    rho = latent.pow(2).mean(-1).sqrt()
-    assert mean.latent_scale == pytest.approx(float((sample @ down.T).pow(2).mean().sqrt()), rel=1e-9)
-    torch.testing.assert_close(mean.weight, torch.full((6,), float(rho.mean()), dtype=torch.float64))
-    channel = calibrated_norm(down, covariance, input_sample=sample, method="channel")
-    # each channel's weight minimises E(w c/ρ - c)²: the gradient there is zero
-    w = channel.weight
-    gradient = ((w * latent / rho[:, None] - latent) * latent / rho[:, None]).mean(0)
-    torch.testing.assert_close(gradient, torch.zeros(6, dtype=torch.float64), atol=1e-10, rtol=0)
+    norm = unit_rms_norm(down, covariance)
+    assert norm.latent_scale == pytest.approx(float((sample @ down.T).pow(2).mean().sqrt()), rel=1e-9)
+    assert torch.all(norm.weight == 1) and norm.stabilizer is None
+    scale = torch.linspace(0.5, 2, 16, dtype=torch.float64)  # weight-only: inputs = the input norm's weight × unit noise
+    assert unit_rms_norm(down, None, scale).latent_scale == pytest.approx(float(((down * scale) ** 2).sum() / 6) ** 0.5)
 
 
 # --- calibration text ------------------------------------------------------------------------------
 
 def test_calibration_text_sources(tmp_path):
+    """`default` is the bundled sample; anything else goes through the one document reader."""
     (tmp_path / "a.txt").write_text("plain text file")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "first"}) + "\n" + json.dumps({"content": "second"}) + "\n")
-    assert load_calibration_texts(str(tmp_path / "a.txt")) == ["plain text file"]
-    assert load_calibration_texts(str(tmp_path / "b.jsonl")) == ["first", "second"]
-    assert sorted(load_calibration_texts(str(tmp_path))) == ["first", "plain text file", "second"]
-    assert len(load_calibration_texts("default")[0]) > 100_000  # the bundled sample
+    assert list(calibration_documents(str(tmp_path / "a.txt"))) == ["plain text file"]
+    assert sorted(calibration_documents(str(tmp_path))) == ["first", "plain text file", "second"]
+    assert len(list(calibration_documents("default"))[0]) > 100_000  # the bundled sample
     with pytest.raises(UserError):
-        load_calibration_texts(str(tmp_path / "missing.txt"))
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"title": "no text"}) + "\n")
-    with pytest.raises(UserError):
-        load_calibration_texts(str(tmp_path / "bad.jsonl"))
-
-
-def test_parquet_calibration_text(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({"text": ["one", "two"]}), tmp_path / "c.parquet")
-    assert load_calibration_texts(str(tmp_path / "c.parquet")) == ["one", "two"]
+        list(calibration_documents(str(tmp_path / "missing.txt")))
 
 
 def test_calibration_windows_are_evenly_spread(sources):
@@ -392,8 +374,6 @@ def test_calibration_windows_are_evenly_spread(sources):
 def test_stabiliser_channel_keeps_sink_like_tokens_from_being_blown_up():
     """Tokens whose input lies mostly outside the latent's row space (as attention sinks do in deep
     layers) get a small latent that a plain norm would inflate; the stabiliser channel fixes that."""
-    from mha2mla.convert.calibration import calibrated_norm, stabilized_norm
-
     generator = torch.Generator().manual_seed(0)
     D, r = 32, 8
     down = torch.linalg.qr(torch.randn(D, r, dtype=torch.float64, generator=generator))[0].T  # (r, D)
@@ -413,7 +393,7 @@ def test_stabiliser_channel_keeps_sink_like_tokens_from_being_blown_up():
         output = (norm.weight * full / rms)[:, :r]
         return ((output - latent).pow(2).sum(-1) / latent.pow(2).sum(-1)).mean().item()
 
-    plain = calibrated_norm(down, cov, None, sample, "mean")
+    plain = unit_rms_norm(down, cov)
     stabilised = stabilized_norm(down, cov, sample, channels=1)
     assert stabilised.stabilizer.shape == (1, D) and stabilised.weight.shape == (r + 1,)
     assert relative_error(plain, sinks) > 10
@@ -429,7 +409,7 @@ def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sou
     options = ConvertOptions(profile="portable", kv_lora_rank=13, rope_dim=8, calib="default", calib_samples=4,
                              calib_seq_len=32)
     result = convert(sources["llama_gqa"], tmp_path / "out", options, progress=False)
-    assert result.plan.extra_channel == "stabilizer" and result.plan.latent_rank == 12
+    assert result.plan.methods.kv_norm == "stabilized" and result.plan.extra_channels == 1 and result.plan.latent_rank == 12
     assert result.report["layers"][0]["kv_lora_rank"] == 13
     assert check_portable_folder(tmp_path / "out") == []
     weights = load_file(str(next((tmp_path / "out").glob("model*.safetensors"))))

@@ -4,6 +4,7 @@ non-zero exit and no output folder left behind."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -24,12 +25,28 @@ def test_convert_and_inspect(source, tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, _ = run_cli(["convert", source, out, "--kv-budget", "0.25", "--no-progress"], capsys)
     assert code == 0 and "KV cache per token" in stdout
+    assert "method: calibrated on the bundled sample, 128 x 256 tokens" in stdout  # the default is the best method
+    assert "calibrated on the bundled sample" in (out / "README.md").read_text()
     assert (out / "config.json").exists()
     code, stdout, _ = run_cli(["inspect", source, "--json"], capsys)
     info = json.loads(stdout)
     assert code == 0 and info["family"] == "llama" and info["kv_heads"] == 2 and info["attention"] == "GQA"
     code, stdout, _ = run_cli(["inspect", out], capsys)
     assert code == 0 and "deepseek_v3" in stdout
+
+
+def test_weight_only_is_asked_for_and_says_so(source, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(["convert", source, out, "--calib", "none", "--dry-run"], capsys)
+    assert code == 0 and "method: weight-only" in stdout and "poor without `mha2mla recover`" in stdout
+    assert "weight-only conversion" in err and not out.exists()
+
+
+def test_help_lists_what_a_user_needs(capsys):
+    code, stdout, _ = run_cli(["convert", "--help"], capsys)
+    options = set(re.findall(r"--[a-z][a-z-]*", stdout))
+    assert code == 0 and len(options - {"--no-progress"}) <= 14, sorted(options)
+    assert {"--kv-budget", "--profile", "--calib", "--calib-samples", "--calib-device", "--recipe", "--dry-run", "--force"} <= options
 
 
 def test_recipe_sets_options_and_rejects_unknown_keys(source, tmp_path, capsys):
@@ -102,7 +119,7 @@ def test_nan_weights(tmp_path, capsys):
         (["--kv-budget", "0.03"], "raise --kv-budget"),  # 2 values/token/layer: nothing beside the rope dims
         (["--kv-lora-rank", "8", "--rope-dim", "7"], "--rope-dim"),
         (["--kv-lora-rank", "8", "--rope-dim", "32"], "--rope-dim"),
-        (["--kv-lora-rank", "8", "--rope-dim", "6", "--rope-frequencies", "stride"], "divide"),
+        (["--kv-budget", "0.25", "--kv-lora-rank", "8", "--rope-dim", "8"], "not both"),
         (["--kv-lora-rank", "8"], "--rope-dim"),
         (["--kv-budget", "1.5"], "kv_budget"),
         (["--profile", "fast"], "profile"),

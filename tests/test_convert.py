@@ -1,4 +1,4 @@
-"""The conversion: exactness ladder (DESIGN §3), interleaved rope as serving engines apply it,
+"""The conversion: exactness ladder (docs/design.md §3), interleaved rope as serving engines apply it,
 absorbed weights, cache size, the portable checker, and bad input."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from mha2mla.modeling.reference import reference_attention
 
 HEAD_DIM = 16
 HIDDEN = 64
+SMALL_CALIBRATION = {"calib_samples": 4, "calib_seq_len": 32}  # the calibrated default, on few tokens
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +42,7 @@ def input_ids():
 
 def full_capacity(num_kv_heads: int, profile: str) -> ConvertOptions:
     rank = min(HIDDEN, 2 * num_kv_heads * HEAD_DIM) + (1 if profile == "exact" else 0)
-    return ConvertOptions(profile=profile, kv_lora_rank=rank, rope_dim=HEAD_DIM)
+    return ConvertOptions(calib=None, profile=profile, kv_lora_rank=rank, rope_dim=HEAD_DIM)
 
 
 # --- rung (a): MQA source, all pairs kept, full rank -> the source's logits ------------------------
@@ -103,7 +104,7 @@ def test_error_falls_monotonically_with_rank(sources, input_ids, tmp_path, name)
     errors, k_errors = [], []
     for rank in (4, 12, 24, 40, 64):
         out = tmp_path / f"r{rank}"
-        result = convert(sources[name], out, ConvertOptions(profile="exact", kv_lora_rank=rank + 1, rope_dim=HEAD_DIM), progress=False)
+        result = convert(sources[name], out, ConvertOptions(calib=None, profile="exact", kv_lora_rank=rank + 1, rope_dim=HEAD_DIM), progress=False)
         errors.append((logits(out, input_ids) - reference).pow(2).mean().sqrt().item())
         k_errors.append(sum(layer["k_rel_error"] + layer["v_rel_error"] for layer in result.report["layers"]))
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
@@ -119,7 +120,7 @@ def test_transformers_equals_own_interleaved_reference_and_absorbed_forward(sour
     forward that applies rope GPT-J style on the interleaved rows (as vLLM / SGLang do), and the
     absorbed attention over the latent cache (absorbed.safetensors) gives the same logits again."""
     out = tmp_path / "out"
-    convert(sources[name], out, ConvertOptions(profile=profile, kv_budget=0.375), progress=False)
+    convert(sources[name], out, ConvertOptions(calib=None, profile=profile, kv_budget=0.375), progress=False)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=False).eval()
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     _, absorbed = load_absorbed(out)
@@ -137,7 +138,7 @@ def test_half_split_rope_on_the_output_would_be_wrong(sources, input_ids, tmp_pa
     """Guard against a checkpoint that only works with rope_interleave: false: flipping the flag
     changes the logits, so the interleaved layout really is what the weights encode."""
     out = tmp_path / "out"
-    convert(sources["llama_gqa"], out, ConvertOptions(profile="portable", kv_budget=0.5), progress=False)
+    convert(sources["llama_gqa"], out, ConvertOptions(calib=None, profile="portable", kv_budget=0.5), progress=False)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         good = model(input_ids).logits
@@ -149,7 +150,7 @@ def test_half_split_rope_on_the_output_would_be_wrong(sources, input_ids, tmp_pa
 @pytest.mark.parametrize("profile", ["exact", "portable"])
 def test_cache_holds_rank_plus_rope_values_per_token_per_layer(sources, tmp_path, profile):
     out = tmp_path / "out"
-    result = convert(sources["llama_gqa"], out, ConvertOptions(profile=profile, kv_budget=0.25), progress=False)
+    result = convert(sources["llama_gqa"], out, ConvertOptions(profile=profile, kv_budget=0.25, **SMALL_CALIBRATION), progress=False)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = 17
     with torch.no_grad():
@@ -165,8 +166,9 @@ def test_cache_holds_rank_plus_rope_values_per_token_per_layer(sources, tmp_path
 @pytest.mark.parametrize("name", ["llama_mha", "llama_gqa", "llama_mqa", "qwen2_gqa", "mistral_gqa"])
 def test_every_portable_output_passes_the_checker(sources, tmp_path, name):
     out = tmp_path / "out"
-    result = convert(sources[name], out, ConvertOptions(kv_budget=0.25), progress=False)
+    result = convert(sources[name], out, ConvertOptions(kv_budget=0.25, **SMALL_CALIBRATION), progress=False)
     assert check_portable_folder(out) == []
+    assert result.report["methods"]["lowrank"] == "attention" and result.report["methods"]["refit"]
     assert result.report["portable_check"] == "passed"
     config = json.loads((out / "config.json").read_text())
     assert config["rope_interleave"] is True and config["attention_bias"] is False
@@ -213,7 +215,7 @@ def test_checker_catches_attention_bias_tensors():
 
 def test_output_folder_contents_and_sharding(sources, tmp_path, input_ids):
     out = tmp_path / "out"
-    options = ConvertOptions(profile="exact", kv_budget=0.5, max_shard_size=60_000)
+    options = ConvertOptions(calib=None, profile="exact", kv_budget=0.5, max_shard_size=60_000)
     result = convert(sources["llama_gqa"], out, options, progress=False)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -229,22 +231,16 @@ def test_output_folder_contents_and_sharding(sources, tmp_path, input_ids):
     assert not list(tmp_path.glob(".out.tmp-*"))
     # the sharded checkpoint equals an unsharded conversion
     single = tmp_path / "single"
-    convert(sources["llama_gqa"], single, ConvertOptions(profile="exact", kv_budget=0.5), progress=False)
+    convert(sources["llama_gqa"], single, ConvertOptions(calib=None, profile="exact", kv_budget=0.5), progress=False)
     assert torch.equal(logits(out, input_ids), logits(single, input_ids))
     assert result.plan.kv_lora_rank == json.loads((out / "config.json").read_text())["kv_lora_rank"]
 
 
-def test_stride_frequencies_map_exactly(sources, tmp_path):
-    """With stride s = d/d_r the kept pairs are 0, s, 2s, ... at the source's own base."""
-    out = tmp_path / "out"
-    result = convert(sources["llama_mqa"], out, ConvertOptions(profile="exact", kv_lora_rank=33, rope_dim=8,
-                                                                rope_frequencies="stride"), progress=False)
-    assert result.plan.rope_pairs == [0, 2, 4, 6]
-    config = json.loads((out / "config.json").read_text())
-    assert config["rope_parameters"]["rope_theta"] == pytest.approx(10000.0)
-    high = convert(sources["llama_mqa"], tmp_path / "high", ConvertOptions(kv_lora_rank=32, rope_dim=8), progress=False)
+def test_kept_rope_pairs_map_exactly_onto_plain_rope(sources, tmp_path):
+    """The kept pairs are the fastest ones, at base' = base^(d_r/d): the same frequencies exactly."""
+    high = convert(sources["llama_mqa"], tmp_path / "high", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=8), progress=False)
+    assert high.plan.rope_pairs == (0, 1, 2, 3)
     assert high.plan.target_rope_theta == pytest.approx(10000.0 ** (8 / HEAD_DIM))
-    # frequencies match the source's kept pairs
     for j, pair in enumerate(high.plan.rope_pairs):
         assert math.isclose(high.plan.target_rope_theta ** (-2 * j / 8), 10000.0 ** (-2 * pair / HEAD_DIM), rel_tol=1e-9)
 
@@ -254,9 +250,10 @@ def test_dry_run_writes_nothing(sources, tmp_path):
     result = convert(sources["llama_gqa"], out, ConvertOptions(kv_budget=0.125), dry_run=True)
     assert not out.exists()
     assert result.plan.kv_lora_rank + result.plan.rope_dim == 8
+    assert result.plan.calibrated and "calibrated on the bundled sample" in result.plan.method_summary()
 
 
 def test_rank_above_what_a_layer_can_use_is_clamped(sources, tmp_path):
-    result = convert(sources["llama_mha"], tmp_path / "out", ConvertOptions(kv_lora_rank=500, rope_dim=16), progress=False)
+    result = convert(sources["llama_mha"], tmp_path / "out", ConvertOptions(calib=None, kv_lora_rank=500, rope_dim=16), progress=False)
     assert result.plan.kv_lora_rank == HIDDEN
     assert any("clamped" in warning for warning in result.plan.warnings)

@@ -1,24 +1,17 @@
-"""Step 2 of the conversion (DESIGN §3.2): joint low rank of the stacked [K_nope; V] projections.
+"""Step 2 of the conversion (docs/design.md §3.2): joint low rank of the stacked [K_nope; V] projections.
 
 ``M`` stacks the NoPE key rows and the value rows of all KV heads (``[2*G*d, D]``). We look for
-``W_up [rows, r]`` and ``W_down [r, D]`` with ``M x ≈ W_up (W_down x)`` on the inputs that matter.
-Methods (``--lowrank``):
+``W_up [rows, r]`` and ``W_down [r, D]`` with ``M x ≈ W_up (W_down x)`` on the inputs that matter:
 
-- ``svd`` — weight-only: the top-r left singular vectors of M (inputs modelled isotropic).
-- ``pca`` — activation-aware: the top-r eigenvectors of ``M Σ Mᵀ`` with Σ = E[x xᵀ] measured on
-  calibration tokens (the PCA of the stacked K/V outputs).
-- ``whiten`` — input-whitened SVD: the SVD of ``M L`` with ``L Lᵀ = Σ``. In exact arithmetic it spans
-  the same subspace as ``pca`` (``(M L)(M L)ᵀ = M Σ Mᵀ``); it is offered for comparison and because
-  it is the form other tools use.
-- ``score`` — error measured where it matters: a K error e_k changes the attention score of every
-  query head h of its group by q_h·e_k, and a V error e_v changes the output by W_o,h e_v. So the K
-  rows of group g are weighted by the query second moment ``Q_g = Σ_h E[q_h q_hᵀ]`` and the V rows by
-  the o_proj metric ``O_g = Σ_h W_o,hᵀ W_o,h``: with A = blockdiag(Q_g^½, O_g^½) the PCA runs on
-  ``A M`` and the result maps back (``W_up = A⁻¹ B``, ``W_down = Bᵀ A M``). Uses Σ when given.
+- ``joint_low_rank(..., input_covariance=None)`` — weight-only: the top-r left singular vectors of M
+  (inputs modelled isotropic); the fast path, poor at small budgets without recovery.
+- ``joint_low_rank(..., input_covariance=Σ)`` — activation PCA: the top-r eigenvectors of ``M Σ Mᵀ``
+  with Σ = E[x xᵀ] measured on calibration tokens; the starting point of the next one.
+- ``attention_aware_low_rank`` — the calibrated default: the latent refined to what attention reads,
+  and one up-projection per query head (docs/calibration.md).
 
-In every method the K rows (after any metric) are scaled by ``balance`` so that keys and values weigh
-the same, and the inverse is folded back into the up-projection's K rows. At full rank every method
-reproduces M exactly (A is regularised to be invertible).
+The K rows are scaled by ``balance`` so that keys and values weigh the same, and the inverse is folded
+back into the up-projection's K rows. At full rank every method reproduces M exactly.
 """
 
 from __future__ import annotations
@@ -28,16 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-LOWRANK_METHODS = ("svd", "pca", "whiten", "score")
 # Adam steps refining the attention-aware latent (converged to ~1e-4 of the objective on SmolLM2)
 LATENT_STEPS = 50
-# relative floor on a metric's eigenvalues: keeps A invertible (exact full-rank conversions)
-METRIC_FLOOR = 1e-6
 
 
 @contextmanager
 def single_thread():
-    """float64 eigh/svd on 2 threads can be 100× slower than on 1 (DESIGN §3, numerics)."""
+    """float64 eigh/svd on 2 threads can be 100× slower than on 1 (docs/design.md §3, numerics)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -55,40 +45,17 @@ class LowRankFactors:
     energy: torch.Tensor  # (rows,) eigenvalues of the (weighted) problem, descending
 
 
-def metric_root(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, A⁻¹) with A = metric^½ for a symmetric PSD ``[..., d, d]`` metric, eigenvalues floored."""
-    eigenvalues, vectors = torch.linalg.eigh(metric)
-    floor = METRIC_FLOOR * eigenvalues.clamp_min(0).amax(-1, keepdim=True).clamp_min(1e-30)
-    root = eigenvalues.clamp_min(0).maximum(floor).sqrt()  # (..., d)
-    a = vectors @ torch.diag_embed(root) @ vectors.transpose(-1, -2)
-    a_inv = vectors @ torch.diag_embed(1.0 / root) @ vectors.transpose(-1, -2)
-    return a, a_inv
-
-
-def _block_apply(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """blockdiag(blocks) @ rows for ``blocks [G, d, d]`` and ``rows [G*d, n]``."""
-    G, d, _ = blocks.shape
-    return torch.einsum("gij,gjn->gin", blocks, rows.view(G, d, -1)).reshape(G * d, -1)
-
-
 def joint_low_rank(
     key_nope: torch.Tensor,
     value: torch.Tensor,
     rank: int,
     input_covariance: torch.Tensor | None = None,
     balance: bool = True,
-    method: str = "pca",
-    key_metric: torch.Tensor | None = None,
-    value_metric: torch.Tensor | None = None,
 ) -> LowRankFactors:
-    """Factor ``[key_nope; value]`` (``[n_k, D]`` and ``[n_v, D]``) to rank ``rank``.
-
-    ``method`` is one of LOWRANK_METHODS; ``svd`` ignores ``input_covariance``. ``score`` needs
-    ``key_metric`` and ``value_metric`` (``[G, d, d]`` each, G*d = n_k = n_v).
-    """
-    if method not in LOWRANK_METHODS:
-        raise ValueError(f"unknown low-rank method {method!r}")
-    cov = None if method == "svd" else input_covariance
+    """Factor ``[key_nope; value]`` (``[n_k, D]`` and ``[n_v, D]``) to rank ``rank``: the SVD of the
+    weights when ``input_covariance`` is None, else the PCA of the outputs over inputs with that
+    second moment (errors are measured the same way)."""
+    cov = input_covariance
     n_key = key_nope.shape[0]
 
     def energy(rows: torch.Tensor) -> float:
@@ -97,43 +64,20 @@ def joint_low_rank(
         return float(torch.einsum("ij,jk,ik->", rows, cov, rows))
 
     with single_thread():
-        key_rows, value_rows = key_nope, value
-        if method == "score":
-            if key_metric is None or value_metric is None:
-                raise ValueError("the score method needs key_metric and value_metric")
-            key_root, key_root_inv = metric_root(key_metric)
-            value_root, value_root_inv = metric_root(value_metric)
-            key_rows, value_rows = _block_apply(key_root, key_nope), _block_apply(value_root, value)
-
-        key_energy, value_energy = energy(key_rows), energy(value_rows)
+        key_energy, value_energy = energy(key_nope), energy(value)
         # guard: at full rope capacity K_nope can be empty or zero
         scale = (value_energy / key_energy) ** 0.5 if balance and key_energy > 1e-12 * max(value_energy, 1e-30) else 1.0
-        stacked = torch.cat([key_rows * scale, value_rows], dim=0)  # (rows, D)
-        if method == "whiten" and cov is not None:
-            eigenvalues_x, vectors_x = torch.linalg.eigh(cov)
-            root = vectors_x * eigenvalues_x.clamp_min(0).sqrt()  # (D, D): root @ rootᵀ = Σ
-            left, singular, _ = torch.linalg.svd(stacked @ root, full_matrices=False)
-            eigenvalues, eigenvectors = singular**2, left
-        else:
-            moment = stacked @ stacked.T if cov is None else stacked @ cov @ stacked.T
-            eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # ascending
-            eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.flip(1)
+        stacked = torch.cat([key_nope * scale, value], dim=0)  # (rows, D)
+        moment = stacked @ stacked.T if cov is None else stacked @ cov @ stacked.T  # (rows, rows)
+        eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # ascending
+        eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.flip(1)
         basis = eigenvectors[:, :rank]  # (rows, r)
         down = basis.T @ stacked  # (r, D)
         up = basis.clone()
         up[:n_key] /= scale  # fold the balance back into the K rows
-
-        if method == "score":  # map back from the weighted row space
-            up = torch.cat([_block_apply(key_root_inv, up[:n_key]), _block_apply(value_root_inv, up[n_key:])])
-
-        def plain_energy(rows: torch.Tensor) -> float:
-            if input_covariance is None:
-                return float((rows * rows).sum())
-            return float(torch.einsum("ij,jk,ik->", rows, input_covariance, rows))
-
         reconstruction = up @ down  # (rows, D)
-        key_error, value_error = plain_energy(reconstruction[:n_key] - key_nope), plain_energy(reconstruction[n_key:] - value)
-        key_total, value_total = plain_energy(key_nope), plain_energy(value)
+        key_error, value_error = energy(reconstruction[:n_key] - key_nope), energy(reconstruction[n_key:] - value)
+        key_total, value_total = energy(key_nope), energy(value)
     return LowRankFactors(
         up=up,
         down=down,

@@ -1,4 +1,4 @@
-"""Step 3 of the conversion (DESIGN §2, §3.3): what to do with an RMSNorm that MLA puts on the latent.
+"""Step 3 of the conversion (docs/design.md §2, §3.3): what to do with the RMSNorm that MLA puts on the latent.
 
 ``exact`` profile — neutralise it: one extra latent channel has a zero weight row and a large
 constant bias B, so the token's RMS is B/sqrt(n) to ~1e-12 relative, and with the norm weight
@@ -7,8 +7,9 @@ then carries biases through the up-projection. The weights are stored in the out
 rounds them; the scale the stored values really produce is returned so it can be folded into the
 up-projection.
 
-``portable`` profile — calibrate it: the norm weight is set to the expected latent RMS, so a token
-with a typical latent passes unchanged; recovery fine-tuning absorbs the per-token deviations.
+``portable`` profile — it cannot be neutralised without a bias, so the latent is scaled to unit
+expected RMS (a token with a typical latent passes unchanged, ``unit_rms_norm``) and, with
+calibration, extra stabiliser channels keep each token's RMS steady (``stabilized_norm``).
 """
 
 from __future__ import annotations
@@ -64,3 +65,73 @@ def expected_rms(down: torch.Tensor, input_covariance: torch.Tensor | None, inpu
     else:
         mean_square = (down * down).sum() / down.shape[0]
     return float(mean_square.clamp_min(1e-12) ** 0.5)
+
+
+@dataclass
+class CalibratedNorm:
+    latent_scale: float  # divide kv_a's latent rows by it (and multiply kv_b's columns): unit-RMS latents
+    weight: torch.Tensor  # (r,) kv_a_layernorm's weight (r + k with stabiliser channels)
+    stabilizer: torch.Tensor | None = None  # (k, D) kv_a rows of the stabiliser channels
+
+
+def unit_rms_norm(down: torch.Tensor, input_covariance: torch.Tensor | None,
+                  input_scale: torch.Tensor | None = None) -> CalibratedNorm:
+    """The portable kv_a_layernorm without stabiliser channels: the latent rows are divided by the
+    expected latent RMS s = sqrt(E‖W x‖² / r) (``expected_rms``) and the norm weight is 1, so a token
+    whose latent has the typical RMS passes unchanged."""
+    scale = expected_rms(down, input_covariance, input_scale)
+    return CalibratedNorm(latent_scale=scale, weight=torch.ones(down.shape[0], dtype=down.dtype))
+
+
+def stabilized_norm(down: torch.Tensor, input_covariance: torch.Tensor | None, input_sample: torch.Tensor,
+                    channels: int = 1, steps: int = 400) -> CalibratedNorm:
+    """kv_a_layernorm made nearly the identity with ``channels`` extra latent channels that kv_b_proj
+    never reads: their only job is to keep each token's RMS steady.
+
+    The norm divides a token's latent by its RMS. Most tokens' latents have about the same RMS, but
+    some do not — above all the attention-sink tokens (the first of a sequence), whose latent is
+    several times smaller in deep layers, so a plain norm blows their keys and values up. A
+    stabiliser channel s = a·x grows exactly where the real latent is small. Its rows ``a`` and the
+    norm weight are fitted on the calibration tokens to minimise the mean *relative* error
+    E[‖w ⊙ c/ρ([c; s]) − c‖² / ‖c‖²], which weighs the rare sink tokens as much as they matter.
+    """
+    scale = expected_rms(down, input_covariance)
+    x = input_sample.to(torch.float64)  # (n, D)
+    latent = x @ down.T / scale  # (n, r): unit RMS on average
+    n, r = latent.shape
+    total = r + channels
+    energy = latent.pow(2).sum(-1)  # (n,)
+    # start: least squares for a stabiliser that tops every token's energy up to a typical level
+    target_energy = torch.quantile(energy, 0.9)
+    target = (target_energy - energy).clamp_min(0).sqrt()  # (n,)
+    ridge = 1e-3 * x.pow(2).mean() * torch.eye(x.shape[1], dtype=x.dtype)
+    first = torch.linalg.solve(x.T @ x / n + ridge, x.T @ target / n)  # (D,)
+    # the fit runs in float32 (4× faster than float64 on CPU; the objective is a smooth mean over tokens)
+    f32 = torch.float32
+    rows = torch.zeros(channels, x.shape[1], dtype=f32)
+    rows[0] = first.to(f32)
+    if channels > 1:
+        rows[1:] = 1e-3 * torch.randn(channels - 1, x.shape[1], dtype=f32, generator=torch.Generator().manual_seed(0))
+    rows.requires_grad_(True)
+    log_weight = torch.zeros(r, dtype=f32, requires_grad=True)
+    optimizer = torch.optim.Adam([rows, log_weight], lr=1e-2)
+
+    # per token t, ‖w ⊙ c/ρ − c‖² / ‖c‖² = Σ_j (w_j/ρ − 1)² a_tj with a_tj = c_tj² / ‖c_t‖²: two
+    # matrix-vector products per step instead of elementwise work on the (n, r) latent
+    share = (latent.pow(2) / energy.clamp_min(1e-12)[:, None]).to(f32)  # (n, r)
+    present = share.sum(-1)  # (n,): 1, or 0 for a token whose latent is zero
+    x, energy = x.to(f32), energy.to(f32)
+
+    def relative_error():
+        stabiliser = x @ rows.T  # (n, k)
+        rho = ((energy + stabiliser.pow(2).sum(-1)) / total).sqrt().clamp_min(1e-12)  # (n,)
+        weight = log_weight.exp()
+        return (share @ weight.pow(2) / rho.pow(2) - 2 * (share @ weight) / rho + present).mean()
+
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = relative_error()
+        loss.backward()
+        optimizer.step()
+    weight = torch.cat([log_weight.detach().exp(), torch.ones(channels, dtype=f32)])
+    return CalibratedNorm(latent_scale=scale, weight=weight.to(down.dtype), stabilizer=rows.detach().to(down.dtype))

@@ -6,54 +6,41 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mha2mla import UserError
 
-# the measured best methods (benchmarks/quality.py, docs/benchmarks.md), with and without calibration
-AUTO_METHODS = {
-    "calibrated": {"rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean",
-                   "norm_calibration": "stabilized", "refit": "output"},
-    "weight_only": {"rope_mixing": "weight", "lowrank": "svd", "rope_compensation": "none", "norm_calibration": "rms",
-                    "refit": "none"},
-}
+CALIB_NONE = ("none", "")
 
 
 class ConvertOptions(BaseModel):
-    """Everything that decides a conversion. Unknown keys are rejected (typos in recipes fail loudly)."""
+    """Everything a user decides about a conversion. Unknown keys are rejected (typos in recipes fail
+    loudly). The methods are not options: the plan picks the measured best (docs/benchmarks.md) with
+    calibration, or the weight-only path with ``calib=None`` (``--calib none``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     profile: Literal["portable", "exact"] = "portable"
     kv_budget: float | None = Field(None, description="fraction of the source's KV values per token per layer")
-    kv_lora_rank: int | None = Field(None, description="the config's kv_lora_rank (exact profile: constant channel included)")
+    kv_lora_rank: int | None = Field(None, description="the config's kv_lora_rank (extra latent channels included)")
     rope_dim: int | None = Field(None, description="qk_rope_head_dim, the shared rope key's size")
-    rope_frequencies: Literal["high", "stride"] = "high"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    balance_kv: bool = True
-    # calibration-aware initialisation (statistics of the attention inputs)
-    calib: str | None = Field(None, description="calibration text: file, folder, dataset id, or `default` (bundled sample)")
+    calib: str | None = Field("default", description="calibration text: `default` (bundled sample), a file, folder or "
+                              "dataset id; None or `none` for the fast weight-only path (poor without recovery)")
     calib_samples: int = 128
     calib_seq_len: int = 256
-    calib_sequential: bool = Field(True, description="calibrate layer i on the outputs of the converted layers before it "
-                                   "(measured better with the attention-aware default, docs/benchmarks.md)")
     calib_device: str | None = Field(None, description="device for calibration forwards (default: cuda if available)")
-    # methods (docs/calibration.md); `auto` = the measured best with calibration, weight-only without
-    rope_mixing: Literal["auto", "weight", "activation", "query"] = "auto"
-    lowrank: Literal["auto", "svd", "pca", "whiten", "score", "attention"] = "auto"
-    rope_compensation: Literal["auto", "none", "mean"] = Field("auto", description="what stands in for a dropped rotation: "
-                                                              "nothing, or its attention-weighted mean (calibrated)")
-    norm_calibration: Literal["auto", "rms", "mean", "channel", "stabilized"] = "auto"
-    refit: Literal["auto", "none", "values", "output"] = Field(
-        "auto", description="refit each head's V up-projection (values), then o_proj too (output), on what the converted "
-        "layer computes, towards the source model's outputs (calibrated)")
     max_shard_size: int = 2 * 1024**3
     untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (default: yes for portable)")
 
-    def resolved_methods(self, calibrated: bool) -> dict[str, str]:
-        """The methods actually used: ``auto`` picks the measured defaults (docs/benchmarks.md)."""
-        auto = AUTO_METHODS["calibrated" if calibrated else "weight_only"]
-        return {key: auto[key] if getattr(self, key) == "auto" else getattr(self, key) for key in auto}
+    @property
+    def calibrated(self) -> bool:
+        return self.calib is not None
+
+    @field_validator("calib")
+    @classmethod
+    def _calib_none(cls, value):
+        return None if value is None or value.strip().lower() in CALIB_NONE else value
 
     @field_validator("kv_budget")
     @classmethod
@@ -68,6 +55,15 @@ class ConvertOptions(BaseModel):
         if value is not None and value <= 0:
             raise ValueError("must be positive")
         return value
+
+    @model_validator(mode="after")
+    def _one_size(self):
+        explicit = self.kv_lora_rank is not None or self.rope_dim is not None
+        if explicit and self.kv_budget is not None:
+            raise ValueError("give either kv_budget (--kv-budget) or kv_lora_rank with rope_dim (--kv-lora-rank, --rope-dim), not both")
+        if explicit and (self.kv_lora_rank is None or self.rope_dim is None):
+            raise ValueError("kv_lora_rank (--kv-lora-rank) and rope_dim (--rope-dim) go together; give both, or kv_budget")
+        return self
 
 
 class Recipe(BaseModel):
@@ -84,7 +80,8 @@ class Recipe(BaseModel):
 def _explain(error: ValidationError) -> str:
     first = error.errors()[0]
     where = ".".join(str(part) for part in first["loc"])
-    return f"{where}: {first['msg']}"
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -103,7 +100,13 @@ def load_recipe(path: str | Path) -> Recipe:
 def build_options(recipe: Recipe | None = None, **overrides) -> ConvertOptions:
     """Recipe values, then every override that is not None."""
     data = recipe.convert.model_dump(exclude_unset=True) if recipe else {}
-    data.update({key: value for key, value in overrides.items() if value is not None})
+    given = {key: value for key, value in overrides.items() if value is not None}
+    if given.keys() & {"kv_lora_rank", "rope_dim"}:  # sizes given on the command line replace the recipe's
+        data.pop("kv_budget", None)
+    if "kv_budget" in given:
+        data.pop("kv_lora_rank", None)
+        data.pop("rope_dim", None)
+    data.update(given)
     try:
         return ConvertOptions.model_validate(data)
     except ValidationError as error:

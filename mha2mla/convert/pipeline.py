@@ -15,16 +15,25 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import DeepseekV3Config
+
 from mha2mla import UserError, __version__
-from mha2mla.convert.attention import AttentionPlan, LayerStatistics, SourceAttention, convert_attention
+from mha2mla.convert.attention import convert_attention
+from mha2mla.convert.calibration import calibration_provider
+from mha2mla.convert.layer import SourceAttention
+from mha2mla.convert.methods import Methods
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.plan import ConversionPlan, make_plan
 from mha2mla.convert.portable import portable_violations
+from mha2mla.convert.stats import CalibrationProvider, require_provider
+from mha2mla.convert.target_config import deepseek_config
 from mha2mla.families import Family, family_for_config
+from mha2mla.io.card import write_model_card
 from mha2mla.io.reader import LazyCheckpoint
 from mha2mla.io.source import open_source
 from mha2mla.io.writer import ShardedWriter
@@ -38,67 +47,11 @@ TOKENIZER_FILES = (
 )
 REPORT_FILE = "conversion_report.json"
 
-# statistics provider: (layer index) -> LayerStatistics, or None for weight-only. A provider with an
-# ``advance(layer, converted_tensors)`` method is told each converted layer right after it is made
-# (sequential calibration, calibration.py).
-StatisticsProvider = Callable[[int], LayerStatistics]
-
-
 @dataclass
 class ConversionResult:
     out: Path | None
     plan: ConversionPlan
     report: dict
-
-
-def deepseek_config(plan: ConversionPlan, source_config: dict) -> dict:
-    """The output config.json as a dict (validated by transformers' DeepseekV3Config)."""
-    from transformers import DeepseekV3Config
-
-    s = plan.shape
-    rope = {"rope_type": "default", "rope_theta": plan.target_rope_theta}
-    source_rope = source_config.get("rope_parameters") or {}
-    if plan.profile == "exact" and source_rope.get("rope_type", "default") != "default":
-        # scaling that depends only on frequency (llama3, linear, ...) maps onto the kept pairs exactly
-        rope = {**source_rope, "rope_theta": plan.target_rope_theta}
-    tie = bool(source_config.get("tie_word_embeddings", False)) and not plan.untie_embeddings
-    config = DeepseekV3Config(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        moe_intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_layers,
-        num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_heads,
-        n_shared_experts=1,
-        n_routed_experts=1,
-        num_experts_per_tok=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=s.num_layers,
-        num_nextn_predict_layers=0,
-        kv_lora_rank=plan.kv_lora_rank,
-        q_lora_rank=(s.hidden_size + 1) if plan.use_q_lora else None,
-        qk_rope_head_dim=plan.rope_dim,
-        qk_nope_head_dim=s.head_dim,
-        v_head_dim=s.head_dim,
-        hidden_act=source_config.get("hidden_act", "silu"),
-        max_position_embeddings=source_config.get("max_position_embeddings", 4096),
-        rms_norm_eps=source_config.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=tie,
-        rope_parameters=rope,
-        rope_interleave=True,
-        attention_bias=plan.profile == "exact",
-        bos_token_id=source_config.get("bos_token_id"),
-        eos_token_id=source_config.get("eos_token_id"),
-        pad_token_id=source_config.get("pad_token_id"),
-    )
-    data = config.to_dict()
-    data["architectures"] = ["DeepseekV3ForCausalLM"]
-    data["dtype"] = plan.dtype
-    data["rope_theta"] = plan.target_rope_theta  # engines that read the pre-v5 key
-    data["mha2mla"] = {"version": __version__, "profile": plan.profile, "source_family": plan.family}
-    return data
 
 
 def _read_attention(ckpt: LazyCheckpoint, family: Family, layer: int, plan: ConversionPlan) -> SourceAttention:
@@ -135,11 +88,7 @@ def _command_line() -> str:
 
 
 def _progress(iterable, total: int, enabled: bool, description: str):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, total=total, desc=description, unit="layer")
+    return tqdm(iterable, total=total, desc=description, unit="layer") if enabled else iterable
 
 
 def prepare_out(out: Path, force: bool) -> None:
@@ -155,37 +104,39 @@ def convert(
     force: bool = False,
     dry_run: bool = False,
     progress: bool = True,
-    statistics: StatisticsProvider | None = None,
+    statistics: CalibrationProvider | None = None,
+    methods: Methods | None = None,
     command: str | None = None,
 ) -> ConversionResult:
-    """Convert ``source`` (folder, .gguf or hub id) into a DeepSeek-V3 MLA checkpoint at ``out``."""
+    """Convert ``source`` (folder, .gguf or hub id) into a DeepSeek-V3 MLA checkpoint at ``out``.
+
+    ``statistics``: a calibration provider to use instead of the built-in one (``stats.py``);
+    ``methods``: another method set than the product's (benchmarks; ``methods.py``)."""
     options = options or ConvertOptions()
     started = time.time()
+    if statistics is not None:
+        require_provider(statistics)
     out = Path(out) if out is not None else None
     if out is not None and not dry_run:
         prepare_out(out, force)
     ckpt = open_source(source)
     family = family_for_config(ckpt.config)
-    plan = make_plan(ckpt.config, family, options)
+    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=statistics is not None)
     if dry_run or out is None:
         return ConversionResult(out=None, plan=plan, report={"plan": plan.to_dict()})
-
-    if statistics is None and options.calib is not None:
-        from mha2mla.convert.calibration import calibration_statistics  # activation-aware init
-
-        statistics = calibration_statistics(ckpt, family, plan, options, progress=progress)
+    provider = None
+    if plan.calibrated:
+        provider = statistics if statistics is not None else calibration_provider(ckpt, family, plan)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        report = _write_checkpoint(ckpt, family, plan, options, tmp, statistics, progress)
+        report = _write_checkpoint(ckpt, family, plan, tmp, provider, progress)
         report.update(
             source=str(source), command=command or _command_line(), mha2mla_version=__version__,
             options=options.model_dump(), elapsed_seconds=round(time.time() - started, 2),
         )
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-        from mha2mla.io.card import write_model_card
-
         write_model_card(tmp, report)
         _normal_permissions(tmp)
         if out.exists():
@@ -196,29 +147,28 @@ def convert(
     return ConversionResult(out=out, plan=plan, report=report)
 
 
-def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, progress) -> dict:
+def _convert_layer(ckpt, family: Family, plan: ConversionPlan, layer: int, provider: CalibrationProvider | None):
+    """One layer's attention: read, convert with this layer's statistics, refit, advance the calibration."""
+    source = _read_attention(ckpt, family, layer, plan)
+    _check_shapes(source, plan, layer)
+    converted = convert_attention(source, plan, provider.statistics(layer) if provider is not None else None)
+    if provider is not None:
+        if plan.methods.refit:
+            converted.tensors, refit_report = provider.refit(layer, converted.tensors)
+            converted.report.update(refit_report)
+        provider.advance(layer, converted.tensors)  # the next layer's calibration input
+    return source, converted
+
+
+def _write_checkpoint(ckpt, family: Family, plan: ConversionPlan, folder: Path, provider, progress: bool) -> dict:
     dtype = plan.torch_dtype
-    writer = ShardedWriter(folder, max_shard_bytes=options.max_shard_size)
+    writer = ShardedWriter(folder, max_shard_bytes=plan.max_shard_size)
     embed = ckpt.get(family.weight("embed_tokens"))
     writer.add("model.embed_tokens.weight", embed.to(dtype))
-    attention_plan = AttentionPlan(
-        num_heads=plan.shape.num_heads, num_kv_heads=plan.shape.num_kv_heads, head_dim=plan.shape.head_dim,
-        rope_pairs=plan.rope_pairs, latent_rank=plan.latent_rank, profile=plan.profile, dtype=dtype,
-        balance=options.balance_kv, use_q_lora=plan.use_q_lora, **options.resolved_methods(statistics is not None),
-        stabilizer_channels=1 if plan.extra_channel == "stabilizer" else 0,
-    )
-    kv_b_weights = {}
-    layers, dropped = [], set()
-    for layer in _progress(range(plan.shape.num_layers), plan.shape.num_layers, progress, "converting"):
-        source = _read_attention(ckpt, family, layer, plan)
-        _check_shapes(source, plan, layer)
-        stats = statistics(layer) if statistics is not None else None
-        converted = convert_attention(source, attention_plan, stats)
-        if attention_plan.refit != "none" and hasattr(statistics, "refit_attention"):
-            converted.tensors, refit_report = statistics.refit_attention(layer, converted.tensors, attention_plan.refit)
-            converted.report.update(refit_report)
-        if hasattr(statistics, "advance"):  # sequential calibration: feed the next layer this layer's output
-            statistics.advance(layer, converted.tensors)
+    kv_b_weights, layers, dropped = {}, [], set()
+    description = "converting" + (" (calibrated)" if plan.calibrated else " (weight-only)")
+    for layer in _progress(range(plan.shape.num_layers), plan.shape.num_layers, progress, description):
+        source, converted = _convert_layer(ckpt, family, plan, layer, provider)
         prefix = f"model.layers.{layer}"
         for name, tensor in converted.tensors.items():
             writer.add(f"{prefix}.self_attn.{name}", tensor)
@@ -230,41 +180,40 @@ def _write_checkpoint(ckpt, family, plan, options, folder: Path, statistics, pro
         layers.append({"layer": layer, **converted.report})
         dropped.update(converted.dropped_biases)
     writer.add("model.norm.weight", ckpt.get(family.weight("final_norm")).to(dtype))
-    tied = bool(ckpt.config.get("tie_word_embeddings", False))
-    if not tied:
+    if not ckpt.config.get("tie_word_embeddings", False):
         writer.add("lm_head.weight", ckpt.get(family.weight("lm_head")).to(dtype))
     elif plan.untie_embeddings:
         writer.add("lm_head.weight", embed.to(dtype).clone())
     writer.finish()
+    _write_metadata(ckpt, plan, folder, kv_b_weights)
+    if dropped:
+        log.warning("portable profile: source biases %s cannot be carried exactly and were dropped "
+                    "(use --profile exact to keep them, or recover to heal).", sorted(dropped))
+    return {
+        "family": plan.family,
+        "profile": plan.profile,
+        "plan": plan.to_dict(),
+        "kv_bytes_per_token": plan.kv_bytes_per_token(),
+        "initialisation": plan.method_summary(),
+        "methods": plan.methods.to_dict(),
+        "dropped_biases": sorted(dropped),
+        "portable_check": "passed" if plan.profile == "portable" else "not applicable (exact profile)",
+        "layers": layers,
+    }
 
+
+def _write_metadata(ckpt, plan: ConversionPlan, folder: Path, kv_b_weights: dict) -> None:
+    """config.json, generation config, tokenizer, absorbed weights; then the portable check."""
     config = deepseek_config(plan, ckpt.config)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_generation_config(ckpt.folder, folder, ckpt.config)
     for name in TOKENIZER_FILES:
         if (ckpt.folder / name).exists():
             shutil.copy2(ckpt.folder / name, folder / name)
-
-    from transformers import DeepseekV3Config
-
     write_absorbed(folder, kv_b_weights, DeepseekV3Config(**{k: v for k, v in config.items() if k != "mha2mla"}))
-
-    if dropped:
-        log.warning("portable profile: source biases %s cannot be carried exactly and were dropped "
-                    "(use --profile exact to keep them, or recover to heal).", sorted(dropped))
     problems = portable_violations(config, list(_written_names(folder))) if plan.profile == "portable" else []
     if problems:
         raise RuntimeError(f"internal error: the portable output breaks a serving constraint: {problems[0]}")
-    return {
-        "family": plan.family,
-        "profile": plan.profile,
-        "plan": plan.to_dict(),
-        "kv_bytes_per_token": plan.kv_bytes_per_token(),
-        "initialisation": "activation-aware" if statistics is not None else "weight-only",
-        "methods": options.resolved_methods(statistics is not None),
-        "dropped_biases": sorted(dropped),
-        "portable_check": "passed" if plan.profile == "portable" else "not applicable (exact profile)",
-        "layers": layers,
-    }
 
 
 def _normal_permissions(folder: Path) -> None:
@@ -277,8 +226,6 @@ def _normal_permissions(folder: Path) -> None:
 
 
 def _written_names(folder: Path):
-    from safetensors import safe_open
-
     for shard in sorted(folder.glob("*.safetensors")):
         if shard.name == "absorbed.safetensors":
             continue

@@ -1,4 +1,6 @@
-"""Sizing a conversion: rope dims, latent rank, KV bytes per token and parameter counts."""
+"""The conversion plan: every choice resolved once — profile, ranks, rope pairs, methods, calibration
+— into a frozen :class:`ConversionPlan` that the pipeline, the per-layer conversion and the report
+read. Nothing downstream re-decides."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mha2mla import UserError
+from mha2mla.convert.methods import Methods, product_methods
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.rope import kept_pairs, target_rope_theta, validate_rope_dim
 from mha2mla.families import Family
@@ -17,7 +20,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
+@dataclass(frozen=True)
 class SourceShape:
     hidden_size: int  # D
     num_heads: int  # H
@@ -63,23 +66,55 @@ def default_rope_dim(total_values: int, head_dim: int) -> int:
     return max(2, min(head_dim, 8 * round(total_values / 32)))
 
 
-@dataclass
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """Where the built-in calibration provider takes its tokens from (docs/calibration.md)."""
+
+    text: str  # `default` (bundled sample), a file, a folder or a dataset id
+    samples: int  # N sequences
+    seq_len: int  # of L tokens
+    device: str | None  # None: cuda if available
+
+
+@dataclass(frozen=True)
 class ConversionPlan:
     family: str
     profile: str
     shape: SourceShape
     rope_dim: int
-    rope_pairs: list[int]
-    rope_frequencies: str
+    rope_pairs: tuple[int, ...]  # source pairs kept as rope, in target order
     target_rope_theta: float
     latent_rank: int  # real latent channels
-    extra_channel: str | None  # "constant" (exact profile), "stabilizer" (portable, calibrated) or None
-    kv_lora_rank: int  # the config's value (exact profile: + the constant channel)
+    kv_lora_rank: int  # the config's value: latent_rank + the kv_norm method's extra channels
     dtype: str
-    use_q_lora: bool
+    use_q_lora: bool  # exact profile with a q bias: q through q_a_proj (bias) + a neutralised norm
     untie_embeddings: bool
+    methods: Methods
+    calibration: CalibrationSettings | None  # None: weight-only, or statistics supplied by the caller
+    max_shard_size: int = 2 * 1024**3
     biases: dict[str, bool] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def extra_channels(self) -> int:
+        return self.kv_lora_rank - self.latent_rank
+
+    @property
+    def calibrated(self) -> bool:
+        return self.methods.needs_statistics
+
+    def method_summary(self) -> str:
+        """One line naming what runs (the dry run and the model card state it)."""
+        m = self.methods
+        if not self.calibrated:
+            return ("weight-only (SVD of the K/V weights, no calibration): fast, but quality is poor without "
+                    "`mha2mla recover`")
+        where = "statistics supplied by the caller" if self.calibration is None else (
+            f"{'the bundled sample' if self.calibration.text == 'default' else self.calibration.text}, "
+            f"{self.calibration.samples} x {self.calibration.seq_len} tokens")
+        return (f"calibrated on {where}: {m.rope_mixing} rope mixing, {m.rope_compensation} rope compensation, "
+                f"{m.lowrank} low rank, {m.kv_norm} kv_a_layernorm, refit {'on' if m.refit else 'off'}, "
+                f"{'sequential' if m.sequential else 'source-stream'} statistics")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,6 +138,9 @@ class ConversionPlan:
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        data["rope_pairs"] = list(self.rope_pairs)
+        data["warnings"] = list(self.warnings)
+        data["method"] = self.method_summary()
         data["kv_bytes_per_token"] = self.kv_bytes_per_token()
         data["attention_parameters"] = self.attention_parameters()
         return data
@@ -113,50 +151,31 @@ def _source_dtype(config: dict) -> str:
     return name if name in DTYPES else "float32"
 
 
-def make_plan(config: dict, family: Family, options: ConvertOptions) -> ConversionPlan:
-    shape = SourceShape.from_config(config)
-    if shape.num_heads % shape.num_kv_heads:
-        raise UserError(f"num_attention_heads {shape.num_heads} is not a multiple of num_key_value_heads {shape.num_kv_heads}.")
-    if shape.head_dim % 2:
-        raise UserError(f"head dim {shape.head_dim} is odd; RoPE needs an even head dim.")
-    exact = options.profile == "exact"
-    # one extra latent channel: the exact profile's constant channel, or the portable profile's
-    # stabiliser channel (calibrated kv_a_layernorm, see calibration.stabilized_norm)
-    stabilizer = not exact and options.calib is not None and options.resolved_methods(True)["norm_calibration"] == "stabilized"
-    constant_channels = 1 if exact or stabilizer else 0
-    warnings: list[str] = []
-
-    source_values = shape.kv_values_per_token_per_layer
-    if options.kv_lora_rank is not None or options.rope_dim is not None:
-        if options.kv_lora_rank is None or options.rope_dim is None:
-            raise UserError("--kv-lora-rank and --rope-dim go together; give both, or use --kv-budget.")
+def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int) -> tuple[int, int, list[str]]:
+    """(kv_lora_rank, rope_dim, warnings) from the budget or the explicit ranks."""
+    warnings = []
+    if options.kv_lora_rank is not None:
         kv_lora_rank, rope_dim = options.kv_lora_rank, options.rope_dim
-        validate_rope_dim(shape.head_dim, rope_dim, options.rope_frequencies)
     else:
         budget = options.kv_budget if options.kv_budget is not None else 0.25
-        total = round(budget * source_values)
+        total = round(budget * shape.kv_values_per_token_per_layer)
         rope_dim = default_rope_dim(total, shape.head_dim)
-        if options.rope_frequencies == "stride":
-            while shape.head_dim % rope_dim:
-                rope_dim -= 2
-        validate_rope_dim(shape.head_dim, rope_dim, options.rope_frequencies)
         kv_lora_rank = total - rope_dim
-    latent_rank = kv_lora_rank - constant_channels
+    validate_rope_dim(shape.head_dim, rope_dim)
+    latent_rank = kv_lora_rank - extra_channels
     if latent_rank < 1:
         raise UserError(
             f"the KV budget ({kv_lora_rank + rope_dim} values per token per layer) leaves no latent channel beside "
-            f"{rope_dim} rope dims{' and the extra channel' if constant_channels else ''}; raise --kv-budget or lower --rope-dim."
+            f"{rope_dim} rope dims{' and the extra channel' if extra_channels else ''}; raise --kv-budget or lower --rope-dim."
         )
     if latent_rank > shape.max_latent_rank:
-        message = f"latent rank {latent_rank} exceeds what a layer can use ({shape.max_latent_rank}); clamped."
-        warnings.append(message)
-        latent_rank = shape.max_latent_rank
-        kv_lora_rank = latent_rank + constant_channels
+        warnings.append(f"latent rank {latent_rank} exceeds what a layer can use ({shape.max_latent_rank}); clamped.")
+        kv_lora_rank = shape.max_latent_rank + extra_channels
+    return kv_lora_rank, rope_dim, warnings
 
-    biases = {p: family.has_bias(p, config) for p in "qkvo"}
-    activation = config.get("hidden_act", "silu")
-    if not exact and activation != "silu":
-        raise UserError(f"the source MLP uses {activation}, but serving engines' DeepSeek MLP is silu only; use --profile exact.")
+
+def _source_warnings(config: dict, family: Family, exact: bool) -> list[str]:
+    warnings = []
     rope = config.get("rope_parameters") or {}
     if not exact and rope.get("rope_type", "default") not in ("default", None):
         warnings.append(
@@ -166,27 +185,53 @@ def make_plan(config: dict, family: Family, options: ConvertOptions) -> Conversi
     window = config.get(family.sliding_window_key) if family.sliding_window_key else None
     if window and window < config.get("max_position_embeddings", 0):
         warnings.append(f"source sliding window {window} is dropped: MLA attends to the whole context.")
+    return warnings
+
+
+def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods: Methods | None = None,
+              external_statistics: bool = False) -> ConversionPlan:
+    """Resolve every choice once. ``methods`` overrides the product's method set (benchmarks only);
+    ``external_statistics``: the caller supplies the calibration provider (it makes the plan calibrated)."""
+    shape = SourceShape.from_config(config)
+    if shape.num_heads % shape.num_kv_heads:
+        raise UserError(f"num_attention_heads {shape.num_heads} is not a multiple of num_key_value_heads {shape.num_kv_heads}.")
+    if shape.head_dim % 2:
+        raise UserError(f"head dim {shape.head_dim} is odd; RoPE needs an even head dim.")
+    exact = options.profile == "exact"
+    calibrated = options.calibrated or external_statistics
+    methods = methods or product_methods(options.profile, calibrated)
+    methods.check(options.profile)
+    if methods.needs_statistics and not calibrated:
+        raise ValueError("these methods need calibration statistics; give calib or a statistics provider")
+    activation = config.get("hidden_act", "silu")
+    if not exact and activation != "silu":
+        raise UserError(f"the source MLP uses {activation}, but serving engines' DeepSeek MLP is silu only; use --profile exact.")
+    kv_lora_rank, rope_dim, warnings = _sizes(shape, options, methods.extra_channels)
+    warnings += _source_warnings(config, family, exact)
     for message in warnings:
         log.warning(message)
-
-    dtype = _source_dtype(config) if options.dtype == "auto" else options.dtype
+    biases = {p: family.has_bias(p, config) for p in "qkvo"}
     untie = options.untie_embeddings if options.untie_embeddings is not None else not exact
+    calibration = None
+    if methods.needs_statistics and not external_statistics:
+        calibration = CalibrationSettings(options.calib, options.calib_samples, options.calib_seq_len, options.calib_device)
     return ConversionPlan(
         family=family.name,
         profile=options.profile,
         shape=shape,
         rope_dim=rope_dim,
-        rope_pairs=kept_pairs(shape.head_dim, rope_dim, options.rope_frequencies),
-        rope_frequencies=options.rope_frequencies,
-        target_rope_theta=target_rope_theta(shape.rope_theta, shape.head_dim, rope_dim, options.rope_frequencies),
-        latent_rank=latent_rank,
-        extra_channel="constant" if exact else ("stabilizer" if stabilizer else None),
+        rope_pairs=tuple(kept_pairs(shape.head_dim, rope_dim)),
+        target_rope_theta=target_rope_theta(shape.rope_theta, shape.head_dim, rope_dim),
+        latent_rank=kv_lora_rank - methods.extra_channels,
         kv_lora_rank=kv_lora_rank,
-        dtype=dtype,
+        dtype=_source_dtype(config) if options.dtype == "auto" else options.dtype,
         use_q_lora=exact and biases["q"],
         untie_embeddings=untie and bool(config.get("tie_word_embeddings", False)),
+        methods=methods,
+        calibration=calibration,
+        max_shard_size=options.max_shard_size,
         biases=biases,
-        warnings=warnings,
+        warnings=tuple(warnings),
     )
 
 
@@ -198,8 +243,10 @@ def format_plan(plan: ConversionPlan) -> str:
     lines = [
         f"family {plan.family}, profile {plan.profile}, dtype {plan.dtype}",
         f"source: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV heads, head dim {s.head_dim}, rope theta {s.rope_theta:g}",
-        f"target: kv_lora_rank {plan.kv_lora_rank} (latent rank {plan.latent_rank}{f' + {plan.extra_channel} channel' if plan.extra_channel else ''}), "
-        f"rope dim {plan.rope_dim} ({plan.rope_frequencies} pairs {plan.rope_pairs[:4]}{'...' if len(plan.rope_pairs) > 4 else ''}), rope theta {plan.target_rope_theta:g}",
+        f"target: kv_lora_rank {plan.kv_lora_rank} (latent rank {plan.latent_rank}"
+        f"{f' + {plan.extra_channels} {plan.methods.kv_norm} channel' if plan.extra_channels else ''}), "
+        f"rope dim {plan.rope_dim} (pairs {list(plan.rope_pairs[:4])}{'...' if len(plan.rope_pairs) > 4 else ''}), rope theta {plan.target_rope_theta:g}",
+        f"method: {plan.method_summary()}",
         f"per layer: r={plan.kv_lora_rank}, d_r={plan.rope_dim} for all {s.num_layers} layers (global in the config)",
         f"KV cache per token: {kv['source']:,.0f} B -> {kv['converted']:,.0f} B ({100 * kv['ratio']:.2f}% of the source)",
         f"attention parameters: {params['source_total']:,} -> {params['converted_total']:,}",

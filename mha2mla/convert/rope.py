@@ -1,8 +1,10 @@
-"""Step 1 of the conversion (DESIGN §3.1): split RoPE into one shared, decoupled rope key.
+"""Step 1 of the conversion (docs/design.md §3.1): split RoPE into one shared, decoupled rope key.
 
 Source layout (Hugging Face "half-split"): in a head of dimension d, rotation pair i is the dims
 (i, i + d/2), rotated at frequency base^(-2i/d). The target has d_r/2 pairs on ONE rope key shared
-by every query head.
+by every query head. The kept pairs are the d_r/2 fastest (pairs 0 … d_r/2 − 1), which map onto
+plain rope exactly with base' = base^(d_r/d) (keeping every s-th pair instead measured far worse,
+docs/calibration.md, and was removed).
 
 For each kept source pair i the G KV heads' 2-D key components are mixed by an orthogonal G×G
 matrix U (the same U on both components of the pair, so it commutes with the rotation). Mixed
@@ -17,33 +19,21 @@ import torch
 
 from mha2mla import UserError
 
-FREQUENCY_MODES = ("high", "stride")
 
-
-def validate_rope_dim(head_dim: int, rope_dim: int, mode: str) -> None:
-    if mode not in FREQUENCY_MODES:
-        raise UserError(f"--rope-frequencies must be one of {', '.join(FREQUENCY_MODES)}, not {mode!r}.")
+def validate_rope_dim(head_dim: int, rope_dim: int) -> None:
     if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
         raise UserError(f"--rope-dim must be an even number between 2 and the head dim {head_dim}, not {rope_dim}.")
-    if mode == "stride" and head_dim % rope_dim:
-        raise UserError(f"--rope-frequencies stride needs --rope-dim to divide the head dim {head_dim}; {rope_dim} does not.")
 
 
-def kept_pairs(head_dim: int, rope_dim: int, mode: str = "high") -> list[int]:
-    """Source pair indices kept as rope, in target order (target pair j <- source pair kept[j])."""
-    validate_rope_dim(head_dim, rope_dim, mode)
-    num_pairs = rope_dim // 2
-    if mode == "high":
-        return list(range(num_pairs))
-    stride = head_dim // rope_dim
-    return [stride * j for j in range(num_pairs)]
+def kept_pairs(head_dim: int, rope_dim: int) -> list[int]:
+    """Source pair indices kept as rope, in target order (target pair j <- source pair j)."""
+    validate_rope_dim(head_dim, rope_dim)
+    return list(range(rope_dim // 2))
 
 
-def target_rope_theta(base: float, head_dim: int, rope_dim: int, mode: str = "high") -> float:
-    """base' such that base'^(-2j/d_r) equals the source frequency of the kept pair j exactly."""
-    if mode == "high":
-        return float(base) ** (rope_dim / head_dim)
-    return float(base)
+def target_rope_theta(base: float, head_dim: int, rope_dim: int) -> float:
+    """base' such that base'^(-2j/d_r) equals the source frequency base^(-2j/d) of kept pair j."""
+    return float(base) ** (rope_dim / head_dim)
 
 
 def pair_rows(head_dim: int, pair: int) -> tuple[int, int]:
@@ -103,9 +93,6 @@ def head_mixing(
     return torch.stack(mixings) if mixings else torch.zeros(0, num_groups, num_groups, dtype=k_weight.dtype)
 
 
-ROPE_MIXING_METHODS = ("weight", "activation", "query")
-
-
 def rope_coefficients(
     k_weight: torch.Tensor,
     k_bias: torch.Tensor | None,
@@ -113,41 +100,10 @@ def rope_coefficients(
     head_dim: int,
     input_covariance: torch.Tensor | None = None,
     input_mean: torch.Tensor | None = None,
-    query_energy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per kept pair p: the rope key is ``k_rope = Σ_g b[p, g] k_g`` and query head h (group g) reads it
     with coefficient ``a[p, g]``; ``k_g - a[p, g] k_rope`` is left to the NoPE part. Returns ``(b, a)``,
-    each ``[P, G]``.
-
-    Without ``query_energy`` this is the orthogonal mixing of :func:`head_mixing` (a = b = U[p, 0]).
-    With ``query_energy [P, G]`` (w = the summed E|q_h|² of group g's query heads at pair p) the loss
-    that rotation-dropping causes in the scores, Σ_g w_g E|k_g - a_g k_rope|², is minimised instead:
-    with W = diag(w) and u the top eigenvector of W^½ C W^½ (C: the heads' key second moment at p),
-    ``b = W^½ u`` and ``a = W^-½ u``. For G = 1 both reduce to the identity (exact).
-    """
-    if query_energy is None:
-        mixing = head_mixing(k_weight, k_bias, pairs, head_dim, input_covariance, input_mean)
-        return mixing[:, 0].clone(), mixing[:, 0].clone()
-    num_groups = k_weight.shape[0] // head_dim
-    k_heads = k_weight.view(num_groups, head_dim, -1)  # (G, d, D)
-    b_heads = None if k_bias is None else k_bias.view(num_groups, head_dim)  # (G, d)
-    key_coeff, query_coeff = [], []
-    for p, pair in enumerate(pairs):
-        moment = torch.zeros(num_groups, num_groups, dtype=k_weight.dtype)
-        for row in pair_rows(head_dim, pair):
-            b = None if b_heads is None else b_heads[:, row]
-            moment = moment + second_moment(k_heads[:, row, :], b, input_covariance, input_mean)
-        w = query_energy[p].to(k_weight.dtype)
-        w = w.clamp_min(1e-12 * float(w.max().clamp_min(1e-30)))  # (G,)
-        root = w.sqrt()
-        weighted = root[:, None] * moment * root[None, :]
-        _, vectors = torch.linalg.eigh(weighted)
-        u = vectors[:, -1]
-        if u.sum() < 0:
-            u = -u
-        key_coeff.append(root * u)
-        query_coeff.append(u / root)
-    if not pairs:
-        empty = torch.zeros(0, num_groups, dtype=k_weight.dtype)
-        return empty, empty.clone()
-    return torch.stack(key_coeff), torch.stack(query_coeff)
+    each ``[P, G]``: the orthogonal mixing of :func:`head_mixing` (a = b = U[p, 0]). For G = 1 both
+    are 1 (exact)."""
+    mixing = head_mixing(k_weight, k_bias, pairs, head_dim, input_covariance, input_mean)
+    return mixing[:, 0].clone(), mixing[:, 0].clone()

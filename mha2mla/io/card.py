@@ -38,10 +38,10 @@ def write_model_card(folder: str | Path, report: dict, extra_sections: list[str]
         "",
         "## Method",
         "",
-        f"- RoPE: {plan['rope_dim']} rope dims on one shared rope key ({plan['rope_frequencies']} frequencies, "
-        f"source pairs {plan['rope_pairs']}), per-frequency KV-head mixing; rope theta {plan['target_rope_theta']:g}.",
-        f"- Latent: kv_lora_rank {plan['kv_lora_rank']} (latent rank {plan['latent_rank']}), "
-        f"{report.get('initialisation', 'weight-only')} joint low rank of [K_nope; V].",
+        f"- Method: {plan['method']}.",
+        f"- RoPE: {plan['rope_dim']} rope dims on one shared rope key (the fastest source pairs "
+        f"{plan['rope_pairs']}), per-frequency KV-head mixing; rope theta {plan['target_rope_theta']:g}.",
+        f"- Latent: kv_lora_rank {plan['kv_lora_rank']} (latent rank {plan['latent_rank']}), joint low rank of [K_nope; V].",
         f"- Mean relative reconstruction error: K {mean_k:.4f}, V {mean_v:.4f} (per layer in conversion_report.json).",
         f"- KV cache per token: {kv['source']:,.0f} B → {kv['converted']:,.0f} B ({100 * kv['ratio']:.2f}% of the source).",
     ]

@@ -1,0 +1,56 @@
+"""What calibration hands the conversion: one layer's activation statistics, and the interface of
+the object that produces them (docs/calibration.md).
+
+The pipeline drives a :class:`CalibrationProvider` through three named steps per layer, in order:
+``statistics(i)`` before layer i is converted, ``refit(i, tensors)`` on the converted layer (when the
+plan asks for it) and ``advance(i, tensors)`` to push the calibration tokens through layer i. A
+provider that lacks a step is refused before any work starts (``require_provider``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class LayerStatistics:
+    """Activation statistics of one layer's attention input x (the input RMSNorm's output).
+
+    ``None`` fields mean weight-only (x modelled as isotropic)."""
+
+    input_covariance: torch.Tensor | None = None  # (D, D): E[x xᵀ]
+    input_mean: torch.Tensor | None = None  # (D,): E[x]
+    num_tokens: int = 0
+    input_sample: torch.Tensor | None = None  # (n, D): some tokens' x, for per-token statistics
+    value_covariances: torch.Tensor | None = None  # (H, D, D): E[x̄ x̄ᵀ], x̄ = a head's attention-weighted x
+    key_covariances: torch.Tensor | None = None  # (H, D, D): key-side input moments per head
+    distance_histogram: torch.Tensor | None = None  # (H, L): source attention mass at each query-key distance
+    pair_frequencies: torch.Tensor | None = None  # (d/2,): the source's rotation frequency of each pair
+
+
+@runtime_checkable
+class CalibrationProvider(Protocol):
+    """The three steps of layer-wise calibration (docs/calibration.md, "the pipeline")."""
+
+    def statistics(self, layer: int) -> LayerStatistics:
+        """Statistics of layer ``layer``'s attention input; layers are asked for in order."""
+
+    def refit(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        """The converted layer's read-out refitted towards the source; returns new tensors and a report."""
+
+    def advance(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Push the calibration tokens through layer ``layer`` (its converted attention when sequential)."""
+
+
+def require_provider(provider: object) -> CalibrationProvider:
+    """``provider`` itself, or a TypeError naming the steps it lacks (nothing is silently skipped)."""
+    missing = [step for step in ("statistics", "refit", "advance") if not callable(getattr(provider, step, None))]
+    if missing:
+        raise TypeError(
+            f"a calibration provider needs the methods statistics, refit and advance; {type(provider).__name__} "
+            f"lacks {', '.join(missing)} (see mha2mla.convert.stats.CalibrationProvider)."
+        )
+    return provider
