@@ -24,7 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
 
-from mha2mla.data import assets  # noqa: E402  (after sys.path and MHA2MLA_CACHE are set)
+# after sys.path and MHA2MLA_CACHE are set
+import assets  # noqa: E402  (benchmarks/assets.py)
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from mha2mla.train import LoraSettings, RecoverConfig, recover  # noqa: E402
+from mha2mla.train.data import build_packed  # noqa: E402
+from mha2mla.train.model import load_teacher  # noqa: E402
+from mha2mla.train.recipe import packed_perplexity  # noqa: E402
 
 TRAIN_FRACTION = 0.30
 CONVERTED = Path(os.environ.get("RECOVER_CONVERTED", assets.cache_dir() / "converted" / "smollm2-135m-kv0.125"))
@@ -45,8 +54,6 @@ def _documents(text: str, size: int = 4000) -> list[str]:
 
 
 def prepare(eval_tokens: int) -> None:
-    from transformers import AutoTokenizer
-
     WORK.mkdir(parents=True, exist_ok=True)
     parts = []
     for name in ("kjv", "python_docs"):
@@ -64,13 +71,11 @@ def prepare(eval_tokens: int) -> None:
 
 
 def train(mode: str, tokens: int, seq_len: int, eval_sequences: int, eval_every: int, lr: float, rank: int) -> None:
-    from mha2mla.train import RecoverConfig, recover
-
     config = RecoverConfig(
         model=str(CONVERTED), data=[str(WORK / "train.jsonl")], out=str(WORK / f"out-{mode}"),
         teacher=str(assets.default_model_gguf()) if mode == "distill" else None,
         eval_data=[str(WORK / "eval_kjv.txt")], eval_sequences=eval_sequences, seq_len=seq_len, batch_size=4,
-        max_tokens=tokens, learning_rate=lr, warmup_steps=5, lora_rank=rank, lora_alpha=2.0 * rank,
+        max_tokens=tokens, learning_rate=lr, warmup_steps=5, lora=LoraSettings(rank=rank, alpha=2.0 * rank),
         eval_every=eval_every, save_every=eval_every, distill_weight=0.5, temperature=1.0,
     )
     report = recover(config, resume="auto")
@@ -78,14 +83,6 @@ def train(mode: str, tokens: int, seq_len: int, eval_sequences: int, eval_every:
 
 
 def summary(seq_len: int, eval_sequences: int) -> None:
-    import torch
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mha2mla.train.data import build_packed
-    from mha2mla.train.model import load_teacher
-    from mha2mla.train.trainer import evaluate_perplexity
-
     accelerator = Accelerator(cpu=True)
     tokenizer = AutoTokenizer.from_pretrained(CONVERTED)
     held_out = {name: build_packed(tokenizer, [str(WORK / f"eval_{name}.txt")], seq_len, max_rows=eval_sequences)
@@ -104,7 +101,7 @@ def summary(seq_len: int, eval_sequences: int) -> None:
         model.eval()
         result = {"model": label}
         for name, rows_ in held_out.items():
-            result[name] = evaluate_perplexity(model, rows_, 4, accelerator)
+            result[name] = packed_perplexity(model, rows_, 4, accelerator)
         rows.append(result)
         del model
     source = rows[0]

@@ -4,8 +4,9 @@
     python benchmarks/recover_speed.py --converted PATH --source PATH_OR_GGUF --seq-len 512 --batch-size 4
 
 LoRA of the same rank on q_proj/kv_a_proj_with_mqa/kv_b_proj/o_proj (converted; kv_a_layernorm trainable as in
-`mha2mla recover`) and on q_proj/k_proj/v_proj/o_proj (source). Each timed step is forward + backward + AdamW
-on the same packed rows of real text; the two models alternate step by step so both see the same machine load.
+`mha2mla recover`) and on q_proj/k_proj/v_proj/o_proj (source). Each timed step is `mha2mla recover`'s own
+``RecoveryRecipe.train_step`` (forward, LM loss, backward, gradient clipping, AdamW, scheduler; no teacher), on
+the same packed rows of real text; the two models alternate step by step so both see the same machine load.
 Prints JSON and a Markdown table.
 """
 
@@ -22,22 +23,29 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
 
+# after sys.path and MHA2MLA_CACHE are set
+import assets  # noqa: E402  (benchmarks/assets.py)
+import torch  # noqa: E402
+
+from mha2mla.train import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig  # noqa: E402
+from mha2mla.train.data import pack_token_lists  # noqa: E402
+from mha2mla.train.model import load_student, load_teacher, load_tokenizer, make_trainable  # noqa: E402
+from mha2mla.train.recipe import RecoveryRecipe  # noqa: E402
+
+
+def timed_step(recipe: RecoveryRecipe, batch: dict[str, torch.Tensor]) -> float:
+    """Seconds of one ``train_step`` (the GPU is synchronised on both sides)."""
+    cuda = recipe.accelerator.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    recipe.train_step(batch)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
 
 def main() -> None:
-    import torch
-
-    from mha2mla.data import assets
-    from mha2mla.train import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, RecoverConfig
-    from mha2mla.train.data import pack_token_lists, target_mask
-    from mha2mla.train.losses import lm_loss
-    from mha2mla.train.model import (
-        count_parameters,
-        load_student,
-        load_teacher,
-        load_tokenizer,
-        make_trainable,
-    )
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--converted", default=str(assets.cache_dir() / "converted" / "smollm2-135m-kv0.125"))
     parser.add_argument("--source", default=None, help="source folder or .gguf (default: the SmolLM2 GGUF)")
@@ -49,52 +57,39 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     source = args.source or str(assets.default_model_gguf())
-    device = torch.device(args.device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    if args.device == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "1"  # read when the recipe starts accelerate
 
     tokenizer = load_tokenizer(args.converted)
-    text = assets.kjv_text_path().read_text(encoding="utf-8")[:200_000]  # training region, not the held-out slice
+    text_path = assets.kjv_text_path()
+    text = text_path.read_text(encoding="utf-8")[:200_000]  # training region, not the held-out slice
     needed = args.batch_size * (args.steps + 1)
     packed = pack_token_lists([tokenizer(text, add_special_tokens=False)["input_ids"]], args.seq_len, max_rows=needed)
     batches = [packed.rows(slice(i * args.batch_size, (i + 1) * args.batch_size)) for i in range(args.steps + 1)]
 
-    def lora(targets, norms):
-        config = RecoverConfig(model=args.converted, data=["-"], out="-", max_steps=1, lora_rank=args.lora_rank,
-                               lora_alpha=2.0 * args.lora_rank, lora_targets=targets)
-        return config, norms
-
+    # the timed steps' settings (nothing is read from data or written to out: only train_step runs)
+    config = RecoverConfig(
+        model=args.converted, data=[str(text_path)], out=str(assets.cache_dir() / "recover_speed"),
+        max_steps=args.steps + 1, seq_len=args.seq_len, batch_size=args.batch_size, learning_rate=1e-4,
+        lora=LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank), attn_implementation=args.attn_implementation,
+        mixed_precision="bf16" if args.device.startswith("cuda") else "no",
+    )
     entries = {}
-    for label, loader, (config, norms) in (
-        ("converted (MLA)", lambda: load_student(args.converted, args.attn_implementation), lora(MLA_LORA_TARGETS, None)),
-        ("source (MHA/GQA)", lambda: load_teacher(source, args.attn_implementation), lora(SOURCE_LORA_TARGETS, ())),
+    for label, loader, targets in (
+        ("converted (MLA)", lambda: load_student(args.converted, args.attn_implementation), MLA_LORA_TARGETS),
+        ("source (MHA/GQA)", lambda: load_teacher(source, args.attn_implementation), SOURCE_LORA_TARGETS),
     ):
-        model = make_trainable(loader(), config, norms=norms).to(device)
-        model.train()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        trainable, total = count_parameters(model)
-        entries[label] = {"model": model, "optimizer": optimizer, "seconds": 0.0, "trainable_parameters": trainable,
-                          "total_parameters": total}
-
-    def step(entry, batch) -> float:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        with autocast:
-            logits = entry["model"](**batch, use_cache=False).logits
-            loss = lm_loss(logits, batch["input_ids"], target_mask(batch["position_ids"]))
-        loss.backward()
-        entry["optimizer"].step()
-        entry["optimizer"].zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - started
+        recipe = RecoveryRecipe(config, show_progress=False)
+        recipe.setup_training(make_trainable(loader(), config.lora.model_copy(update={"targets": targets})))
+        recipe.model.train()
+        trainable, total = recipe.parameter_counts
+        entries[label] = {"recipe": recipe, "seconds": 0.0, "trainable_parameters": trainable, "total_parameters": total}
 
     for entry in entries.values():  # warm-up
-        step(entry, batches[0])
+        timed_step(entry["recipe"], batches[0])
     for batch in batches[1:]:  # alternate so both models see the same load
         for entry in entries.values():
-            entry["seconds"] += step(entry, batch)
+            entry["seconds"] += timed_step(entry["recipe"], batch)
 
     tokens = args.steps * args.batch_size * args.seq_len
     results = []
@@ -102,6 +97,7 @@ def main() -> None:
         results.append({"model": label, "tokens_per_second": tokens / entry["seconds"],
                         "trainable_parameters": entry["trainable_parameters"], "total_parameters": entry["total_parameters"]})
     ratio = results[0]["tokens_per_second"] / results[1]["tokens_per_second"]
+    device = entries["converted (MLA)"]["recipe"].accelerator.device
     print(json.dumps({"device": str(device), "threads": torch.get_num_threads(), "seq_len": args.seq_len,
                       "batch_size": args.batch_size, "timed_tokens_per_model": tokens, "lora_rank": args.lora_rank,
                       "attn_implementation": args.attn_implementation, "results": results,

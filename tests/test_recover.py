@@ -1,5 +1,6 @@
-"""`mha2mla recover` on tiny random DeepSeek-V3 models: packing, LoRA/full training, distillation,
-merge-and-write, exact resume after SIGKILL, and one-sentence errors for bad data."""
+"""`mha2mla recover` on tiny random DeepSeek-V3 models: packing, LoRA/full training, distillation, the one train
+step on any model, merge-and-write, exact resume after SIGKILL, DDP on two CPU processes, recipes, and
+one-sentence errors for bad data, bad recipes and bad options."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ import torch
 from common import SAMPLE_TEXT, build_source, tiny_deepseek_config, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
-from mha2mla.train import RecoverConfig, recover
+from mha2mla.cli.recover import build_config
+from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, recover
 from mha2mla.train.data import RowOrder, pack_token_lists, target_mask
 from mha2mla.train.export import write_recovered
 from mha2mla.train.losses import distillation_loss
 from mha2mla.train.model import load_student, load_tokenizer, make_trainable
+from mha2mla.train.recipe import RecoveryRecipe
 
 REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def corpus(tmp_path_factory) -> Path:
 def _config(model: Path, data: Path, out: Path, **overrides) -> RecoverConfig:
     settings = {
         "model": str(model), "data": [str(data)], "out": str(out), "seq_len": 32, "batch_size": 4, "max_steps": 30,
-        "learning_rate": 1e-2, "lora_rank": 8, "eval_sequences": 4, "eval_every": 10, "save_every": 0,
+        "learning_rate": 1e-2, "lora": {"rank": 8}, "eval_sequences": 4, "eval_every": 10, "save_every": 0,
     }
     settings.update(overrides)
     return RecoverConfig(**settings)
@@ -128,8 +132,8 @@ def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_model, corpus
 
 
 def test_merged_output_has_the_peft_models_logits(tiny_model, tmp_path):
-    config = _config(tiny_model, tiny_model, tmp_path / "out", lora_rank=4)
-    model = make_trainable(load_student(tiny_model), config)
+    config = _config(tiny_model, tiny_model, tmp_path / "out", lora={"rank": 4})
+    model = make_trainable(load_student(tiny_model), config.lora)
     torch.manual_seed(5)
     with torch.no_grad():  # a trained-looking adapter: non-zero B matrices and moved norms
         for _name, param in model.named_parameters():
@@ -149,7 +153,7 @@ def test_merged_output_has_the_peft_models_logits(tiny_model, tmp_path):
 
 
 def test_full_attention_trains_every_attention_parameter_only(tiny_model, tmp_path):
-    model = make_trainable(load_student(tiny_model), _config(tiny_model, tiny_model, tmp_path, full_attention=True))
+    model = make_trainable(load_student(tiny_model), None)  # no LoRA settings: full attention
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == {name for name, _ in model.named_parameters() if ".self_attn." in name}
     assert any("kv_a_layernorm" in name for name in trainable)
@@ -168,6 +172,26 @@ def test_distillation_from_a_source_teacher(tiny_model, corpus, tmp_path):
     mixed = 0.3 * steps[0]["lm_loss"] + 0.7 * steps[0]["distill_loss"]
     assert steps[0]["loss"] == pytest.approx(mixed, rel=1e-5)
     assert report["steps"] == 6 and (out / "model.safetensors").exists()
+
+
+def test_train_step_trains_a_source_model_with_lora_settings(tmp_path):
+    """The one train step (what benchmarks/recover_speed.py times) on a plain MHA/GQA model, outside a run."""
+    source = build_source(tmp_path / "source", vocab_size=384)
+    lora = LoraSettings(rank=4, alpha=8, targets=SOURCE_LORA_TARGETS)
+    config = RecoverConfig(model=str(source), data=["unused"], out=str(tmp_path / "never-written"), max_steps=10,
+                           batch_size=2, grad_accum=2, learning_rate=1e-2, lora=lora)
+    recipe = RecoveryRecipe(config, show_progress=False)
+    recipe.setup_training(make_trainable(AutoModelForCausalLM.from_pretrained(source), config.lora))
+    trainable = {name for name, p in recipe.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    batch = pack_token_lists([list(range(1, 300))], seq_len=16).rows(slice(0, 4))  # 2 micro-batches of 2 rows
+    results = [recipe.train_step(batch) for _ in range(6)]
+    assert set(results[0]) == {"loss", "lm_loss", "lr"}
+    assert results[-1]["loss"] < 0.8 * results[0]["loss"]
+    assert results[-1]["lr"] < results[0]["lr"]  # the cosine schedule moved once per step
+    with pytest.raises(ValueError, match="micro-batches"):
+        recipe.train_step(pack_token_lists([list(range(1, 300))], seq_len=16).rows(slice(0, 3)))
+    assert not (tmp_path / "never-written").exists()
 
 
 # ------------------------------------------------------------------------------------------- resume
@@ -218,7 +242,76 @@ def test_resume_with_different_settings_is_refused(tiny_model, corpus, tmp_path)
     from mha2mla import UserError
 
     with pytest.raises(UserError, match="lora_rank"):
-        recover(_config(tiny_model, corpus, out, max_steps=4, save_every=2, eval_every=0, lora_rank=2), resume="auto")
+        recover(_config(tiny_model, corpus, out, max_steps=4, save_every=2, eval_every=0, lora={"rank": 2}), resume="auto")
+
+
+def test_ddp_on_two_cpu_processes(tiny_model, corpus, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "1"}
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "mha2mla.cli.main", "recover", str(tiny_model), "--data", str(corpus), "--out", str(out),
+               "--max-steps", "6", "--seq-len", "32", "--batch-size", "2", "--grad-accum", "2", "--lr", "1e-2",
+               "--lora-rank", "4", "--eval-sequences", "2", "--eval-every", "3", "--save-every", "3", "--no-progress"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "recovery_report.json").read_text())
+    assert report["num_processes"] == 2 and report["steps"] == 6
+    assert report["tokens_trained"] == 6 * 2 * 2 * 2 * 32  # steps x batch x accumulation x processes x seq_len
+    assert [e["step"] for e in report["evaluations"]] == [0, 3, 6]
+    assert report["evaluations"][-1]["perplexity"] < report["evaluations"][0]["perplexity"]
+    assert {"rng_state_0.pt", "rng_state_1.pt"} <= {p.name for p in (out / "step-000003").iterdir()}
+    assert result.stdout.count("recovered model written") == 1
+
+
+# ------------------------------------------------------------------------------------------- recipes
+
+
+def test_recipe_recover_section_with_flags_over_it(tiny_model, corpus, tmp_path, monkeypatch, capsys):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(
+        f"source: tiny-source\nrecover:\n  data: {corpus}\n  max_steps: 8\n  seq_len: 32\n  batch_size: 2\n"
+        "  learning_rate: 1.0e-2\n  eval_sequences: 2\n  eval_every: 0\n  save_every: 0\n  lora:\n    rank: 4\n    alpha: 8\n"
+    )
+    out = tmp_path / "out"
+    code, err = _run_main(monkeypatch, capsys, [str(tiny_model), "--recipe", str(recipe), "--out", str(out),
+                                                "--max-steps", "3", "--lora-rank", "2", "--no-progress"])
+    assert code == 0, err
+    report = json.loads((out / "recovery_report.json").read_text())
+    settings = report["settings"]
+    assert report["steps"] == 3  # the flag wins over the recipe
+    assert settings["lora"]["rank"] == 2 and settings["lora"]["alpha"] == 8  # flag and recipe merge in `lora:`
+    assert settings["data"] == [str(corpus)] and settings["seq_len"] == 32 and settings["learning_rate"] == 0.01
+    assert settings["schedule"] == RecoverConfig.model_fields["schedule"].default  # neither: the config's default
+
+
+@pytest.mark.parametrize(
+    "section, flags, expected",
+    [
+        ("  lora_rnk: 4\n", [], "has an unknown recover setting 'lora_rnk'"),
+        ("  lora:\n    rnak: 4\n", [], "has an unknown recover setting 'lora.rnak'"),
+        ("  schedule: cosin\n", [], "`schedule` under `recover:` in"),
+        ("", ["--schedule", "cosin"], "--schedule must be one of 'cosine', 'linear' or 'constant', not 'cosin'."),
+        ("", ["--mixed-precision", "fp16"], "--mixed-precision must be one of 'auto', 'no' or 'bf16'"),
+        ("", ["--lora-rank", "0"], "invalid --lora-rank: input should be greater than or equal to 1."),
+        ("", None, "give --out (or `out:` under `recover:` in a --recipe)."),  # None: no --out either
+    ],
+)
+def test_bad_recipe_or_option_is_one_sentence(tiny_model, corpus, tmp_path, monkeypatch, capsys, section, flags, expected):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"source: tiny-source\nrecover:\n  data: {corpus}\n  max_steps: 2\n" + section)
+    out = tmp_path / "out"
+    out_flags = [] if flags is None else ["--out", str(out), *flags]
+    code, err = _run_main(monkeypatch, capsys, [str(tiny_model), "--recipe", str(recipe), *out_flags])
+    assert code == 2
+    message = err.strip().splitlines()
+    assert len(message) == 1 and message[0].startswith("error:") and expected in message[0], err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipes_recover_sections_are_valid(path):
+    config = build_config(path, {"model": "out/converted", "out": "out/recovered"})
+    assert config.data and config.teacher and config.max_tokens
 
 
 # ------------------------------------------------------------------------------------------- bad input

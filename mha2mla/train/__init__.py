@@ -1,9 +1,24 @@
 """Recovery fine-tuning of converted MLA models: ``recover(RecoverConfig(...))``.
 
-config (settings), data (reading + packing), model (student/teacher, LoRA), losses, checkpoint (resumable
-state), trainer (the loop), export (merge and write the native checkpoint)."""
+config (settings, LoRA settings), data (tokenizing + packing), model (student/teacher, LoRA), losses,
+checkpoint (resumable state), recipe (``RecoveryRecipe``: setup, train step, evaluation, checkpoints),
+trainer (``recover``, which runs the recipe), export (merge and write the native checkpoint).
 
-from mha2mla.train.config import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, RecoverConfig
-from mha2mla.train.trainer import recover
+``recover`` and ``RecoveryRecipe`` load on first use, so reading the settings (``mha2mla recover --help``)
+does not import torch, accelerate and peft."""
 
-__all__ = ["MLA_LORA_TARGETS", "SOURCE_LORA_TARGETS", "RecoverConfig", "recover"]
+from __future__ import annotations
+
+import importlib
+
+from mha2mla.train.config import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig
+
+_LAZY = {"recover": "mha2mla.train.trainer", "RecoveryRecipe": "mha2mla.train.recipe"}
+
+__all__ = ["MLA_LORA_TARGETS", "SOURCE_LORA_TARGETS", "LoraSettings", "RecoverConfig", "RecoveryRecipe", "recover"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,15 +1,39 @@
-"""Settings of one recovery run, validated once (pydantic, unknown keys rejected) and saved beside the output."""
+"""Settings of one recovery run, validated once (pydantic, unknown keys rejected) and saved beside the output.
+
+``RecoverConfig`` is the single source of the settings and their defaults: the Python API builds it directly,
+``mha2mla recover`` builds it from a recipe's ``recover:`` section plus the flags given (docs/recover.md), and
+the CLI's help texts are the ``description`` of each field."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MLA_LORA_TARGETS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 SOURCE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the same budget on an MHA/GQA model
 TRAINABLE_NORMS = ("kv_a_layernorm",)
+
+
+class LoraSettings(BaseModel):
+    """The peft LoRA adapter ``make_trainable`` puts on a model (a recipe's ``recover: lora:`` section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(16, ge=1, description="LoRA rank")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (the adapter's update is scaled by alpha / rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    targets: tuple[str, ...] = Field(MLA_LORA_TARGETS, min_length=1, description="module names that get an adapter")
+    train_norms: bool = Field(True, description="also train kv_a_layernorm in full (peft modules_to_save)")
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _split_names(cls, value):
+        """``"q_proj,o_proj"`` (the CLI's and a recipe's short form) is the tuple of those names."""
+        if isinstance(value, str):
+            return tuple(name.strip() for name in value.split(",") if name.strip())
+        return value
 
 
 class RecoverConfig(BaseModel):
@@ -18,53 +42,56 @@ class RecoverConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="converted DeepSeek-V3 MLA folder")
-    data: list[str] = Field(description="text files, folders of them, or one Hugging Face dataset id")
-    out: str
-    teacher: str | None = Field(None, description="source model (HF folder or .gguf) for distillation")
-    eval_data: list[str] | None = None
+    model: str = Field(description="converted DeepSeek-V3 MLA folder (output of `mha2mla convert`)")
+    data: list[str] = Field(description="training text: .txt/.jsonl/.parquet file, a folder of them, or a Hugging Face "
+                            "dataset id (name or name@split)")
+    out: str = Field(description="output folder: checkpoints during the run, the recovered model at the end")
+    teacher: str | None = Field(None, description="source model (HF folder or .gguf) to distil from")
+    eval_data: list[str] | None = Field(None, description="held-out text for perplexity (default: rows held out of the data)")
 
     # data
-    seq_len: int = Field(512, ge=8)
-    text_field: str = "text"
-    eval_sequences: int = Field(8, ge=0, description="packed sequences held out of the training data")
-    seed: int = 0
+    seq_len: int = Field(512, ge=8, description="packed sequence length in tokens")
+    text_field: str = Field("text", description="field holding the text in .jsonl/.parquet files and datasets")
+    eval_sequences: int = Field(8, ge=0, description="packed sequences used for held-out perplexity (0: no evaluation)")
+    seed: int = Field(0, description="seed of the LoRA initialisation and of the row order")
 
     # what trains
-    full_attention: bool = False
-    lora_rank: int = Field(16, ge=1)
-    lora_alpha: float = Field(32.0, gt=0)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_targets: tuple[str, ...] = MLA_LORA_TARGETS
-    train_norms: bool = True
+    full_attention: bool = Field(False, description="train every attention parameter in full instead of LoRA")
+    lora: LoraSettings = Field(LoraSettings(), description="the LoRA adapter (unused with full_attention)")
 
     # optimisation
     batch_size: int = Field(4, ge=1, description="sequences per micro-batch per process")
-    grad_accum: int = Field(1, ge=1)
-    learning_rate: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = 1.0
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    max_steps: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    learning_rate: float = Field(2e-4, gt=0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clipping norm (None: no clipping)")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear learning-rate warmup")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of the peak")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps (wins over the token count)")
+    max_tokens: int | None = Field(None, ge=1, description="training tokens over all processes")
 
     # distillation
     distill_weight: float = Field(0.5, ge=0, le=1, description="weight of the KL term; 1 - weight goes to the LM loss")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="distillation temperature")
 
     # runtime
-    attn_implementation: Literal["sdpa", "eager", "mha2mla_triton"] = "sdpa"
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: only at the end)")
+    attn_implementation: Literal["sdpa", "eager", "mha2mla_triton"] = Field("sdpa", description="attention kernel")
+    mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="autocast (auto: bf16 on GPU, none on CPU)")
+    eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: start and end only)")
     save_every: int = Field(50, ge=0, description="steps between checkpoints (0: none)")
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept")
+
+    @field_validator("data", "eval_data", mode="before")
+    @classmethod
+    def _one_source(cls, value):
+        """One source given as a plain string (``data: corpus.txt`` in a recipe) is a list of one."""
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> RecoverConfig:
         if self.max_steps is None and self.max_tokens is None:
-            raise ValueError("give --max-steps or --max-tokens")
+            raise ValueError("give --max-steps or --max-tokens (max_steps or max_tokens in a recipe)")
         if not self.data:
             raise ValueError("give at least one --data source")
         return self
@@ -88,3 +115,26 @@ class RecoverConfig(BaseModel):
     @property
     def out_path(self) -> Path:
         return Path(self.out)
+
+
+def flat_settings(settings: dict, prefix: str = "") -> dict:
+    """Nested settings as one level, the nested names joined by ``_`` (``lora.rank`` -> ``lora_rank``, the name of
+    its flag), so two runs' settings compare key by key."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(flat_settings(value, f"{prefix}{key}_"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def merge_settings(base: dict, overrides: dict) -> dict:
+    """``base`` with every key of ``overrides`` put over it; nested sections (``lora``) merge key by key."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_settings(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

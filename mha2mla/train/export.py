@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 
 from mha2mla.modeling.absorbed import write_absorbed
 
@@ -22,8 +23,6 @@ RECOVER_CONFIG = "recover_config.json"
 def merged_model(model):
     """A plain transformers model: the peft adapter merged into the base weights (``merge_and_unload``),
     trainable norm copies included; a model trained in full is returned as is."""
-    from peft import PeftModel
-
     if isinstance(model, PeftModel):
         return model.merge_and_unload()
     return model

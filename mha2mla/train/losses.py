@@ -1,4 +1,5 @@
-"""Next-token loss and logit distillation on packed rows (segment starts are never targets)."""
+"""Training losses on packed rows (segment starts are never targets): next-token loss and logit distillation.
+Held-out perplexity goes through mha2mla.evaluation.perplexity.batch_nll, the project's one perplexity sum."""
 
 from __future__ import annotations
 
@@ -13,14 +14,6 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -
     losses = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), reduction="none")
     weights = mask.reshape(-1).to(losses.dtype)
     return (losses * weights).sum() / weights.sum().clamp(min=1)
-
-
-def nll_sum(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token negative log-likelihood and the number of targets (for perplexity)."""
-    shifted = logits[:, :-1].float()
-    losses = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
-    weights = mask.reshape(-1).to(losses.dtype)
-    return float((losses * weights).sum()), int(weights.sum())
 
 
 def distillation_loss(

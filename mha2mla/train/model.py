@@ -8,10 +8,13 @@ import logging
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
 from torch import nn
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla import UserError
-from mha2mla.train.config import RecoverConfig
+from mha2mla.io.source import load_gguf_model
+from mha2mla.train.config import TRAINABLE_NORMS, LoraSettings
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +26,6 @@ def resolve_attn_implementation(name: str) -> str:
     transformers' ``AttentionInterface`` (importing ``mha2mla.kernels`` is expected to do so)."""
     if name != TRITON_ATTENTION:
         return name
-    from transformers import AttentionInterface
-
     try:
         importlib.import_module("mha2mla.kernels")
     except ImportError:
@@ -49,8 +50,6 @@ def read_model_config(folder: str | Path) -> dict:
 
 def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
     """The converted DeepSeek-V3 MLA model, in ``dtype`` (fp32 master weights for training)."""
-    from transformers import AutoModelForCausalLM
-
     config = read_model_config(folder)
     if config.get("model_type") != "deepseek_v3":
         raise UserError(
@@ -65,8 +64,6 @@ def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: t
 
 
 def load_tokenizer(folder: str | Path):
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as error:
@@ -86,13 +83,9 @@ def check_teacher_path(source: str) -> Path:
 
 def load_teacher(source: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
     """The frozen source model: a Hugging Face folder or a ``.gguf`` file (dequantized on load)."""
-    from transformers import AutoModelForCausalLM
-
     path = check_teacher_path(source)
     impl = "sdpa" if attn_implementation == TRITON_ATTENTION else attn_implementation  # the source is MHA/GQA
-    if path.is_file():  # a dequantized GGUF model is a plain float model (DESIGN §6)
-        from mha2mla.io.source import load_gguf_model
-
+    if path.is_file():  # a dequantized GGUF model is a plain float model (docs/recover.md)
         model, _ = load_gguf_model(path, dtype, attn_implementation=impl)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=impl)
@@ -116,14 +109,11 @@ def _module_names(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
 
 
-def make_trainable(model: nn.Module, config: RecoverConfig, norms: tuple[str, ...] | None = None) -> nn.Module:
-    """Wrap ``model`` in a peft LoRA model (targets + trainable norms), or with ``full_attention`` unfreeze every
-    parameter under ``self_attn`` and nothing else. Returns the model to train."""
-    from mha2mla.train.config import TRAINABLE_NORMS
-
-    norms = TRAINABLE_NORMS if norms is None else norms
-    present = _module_names(model)
-    if config.full_attention:
+def make_trainable(model: nn.Module, lora: LoraSettings | None) -> nn.Module:
+    """Wrap ``model`` in a peft LoRA model as ``lora`` says (adapters on its targets; with ``train_norms`` the
+    model's kv_a_layernorm trains in full), or with ``lora=None`` unfreeze every parameter under ``self_attn``
+    and nothing else (full-attention training). Returns the model to train."""
+    if lora is None:
         model.requires_grad_(False)
         count = 0
         for name, param in model.named_parameters():
@@ -134,21 +124,21 @@ def make_trainable(model: nn.Module, config: RecoverConfig, norms: tuple[str, ..
             raise UserError("the model has no self_attn parameters to train.")
         return model
 
-    from peft import LoraConfig, get_peft_model
-
-    missing = [target for target in config.lora_targets if target not in present]
+    present = _module_names(model)
+    missing = [target for target in lora.targets if target not in present]
     if missing:
         raise UserError(f"LoRA target(s) {', '.join(missing)} are not modules of this model; check --lora-targets.")
-    lora = LoraConfig(
-        r=config.lora_rank,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=list(config.lora_targets),
-        modules_to_save=[n for n in norms if n in present] if config.train_norms else None,
+    norms = [name for name in TRAINABLE_NORMS if name in present] if lora.train_norms else []
+    adapter = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets),
+        modules_to_save=norms or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    return get_peft_model(model, adapter)
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
