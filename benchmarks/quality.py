@@ -3,6 +3,9 @@
     OMP_NUM_THREADS=1 MHA2MLA_CACHE=.cache python benchmarks/quality.py \\
         --budgets 0.3125 0.1875 0.125 --methods weight-svd act-pca act-attention-seq act-attention-refit --profiles exact
 
+The methods are named sets of ``mha2mla.convert.methods.Methods`` (METHODS below): the product's two
+(``weight-svd`` = ``--calib none``, ``act-attention-refit`` = the default) and the ablations.
+
 For each budget, method and profile it converts the model (default: SmolLM2-135M-Instruct from the
 cached GGUF), loads the result with transformers and scores the held-out KJV and Python-docs slices
 (``mha2mla.evaluation.perplexity``: 16,384 tokens from a third of the way in, 32 × 512 windows; never
@@ -22,46 +25,74 @@ from pathlib import Path
 
 import torch
 
-# name -> ConvertOptions fields (calib is added from --calib when a method is calibrated)
+# name -> changes to the calibrated product method set (methods.product_methods). The product offers only `weight-svd` (`--calib none`) and
+# `act-attention-refit` (the default); the rest are the ablations worth re-measuring (docs/calibration.md).
+# Every name is resolved per profile: the kv_a_layernorm method follows the profile.
 METHODS: dict[str, dict] = {
-    "weight-svd": {"rope_mixing": "weight", "lowrank": "svd", "rope_compensation": "none", "norm_calibration": "rms"},
-    "weight-score": {"rope_mixing": "weight", "lowrank": "score", "rope_compensation": "none", "norm_calibration": "rms"},
-    "act-pca": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "none", "refit": "none"},
-    "act-whiten": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "whiten", "rope_compensation": "none", "refit": "none"},
-    "act-pca-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "none", "refit": "none"},
-    "score": {"calib": True, "calib_sequential": False, "rope_mixing": "query", "lowrank": "score", "rope_compensation": "none", "refit": "none"},
-    "score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "query", "lowrank": "score", "rope_compensation": "none", "refit": "none"},
-    "act-score-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "score", "rope_compensation": "none", "refit": "none"},
-    # dropped rotations replaced by their attention-weighted mean (attention.compensate_dropped_rotations)
-    "act-pca-mean": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "pca", "rope_compensation": "mean", "refit": "none"},
-    # + the attention-aware latent and per-head up-projections (lowrank.attention_aware_low_rank)
-    "act-attention": {"calib": True, "calib_sequential": False, "rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean", "refit": "none"},
-    "act-attention-seq": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "attention", "rope_compensation": "mean", "refit": "none"},
-    # + the read-out refitted on the converted layer towards the source stream (calibration.refit_attention)
-    "act-attention-seq-values": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "attention",
-                                 "rope_compensation": "mean", "refit": "values"},
-    "act-attention-refit": {"calib": True, "calib_sequential": True, "rope_mixing": "activation", "lowrank": "attention",
-                            "rope_compensation": "mean", "refit": "output"},  # the calibrated default
+    "weight-svd": {},  # the weight-only product path
+    # activation PCA of [K_nope; V] on the source model's activations (statistics computed once, reused)
+    "act-pca": {"rope_compensation": "none", "lowrank": "pca", "refit": False, "sequential": False},
+    "act-pca-seq": {"rope_compensation": "none", "lowrank": "pca", "refit": False},
+    # + dropped rotations replaced by their attention-weighted mean
+    "act-pca-mean": {"lowrank": "pca", "refit": False, "sequential": False},
+    # + the attention-aware latent and per-head up-projections
+    "act-attention": {"refit": False, "sequential": False},
+    "act-attention-seq": {"refit": False},
+    # + the read-out refitted on the converted layer towards the source stream: the calibrated default
+    "act-attention-refit": {},
 }
+DEFAULT_METHOD = "act-attention-refit"
+
+
+def method_set(name: str, profile: str):
+    """The ``Methods`` of benchmark method ``name`` for ``profile``."""
+    import dataclasses
+
+    from mha2mla.convert.methods import product_methods
+
+    if name == "weight-svd":
+        return product_methods(profile, calibrated=False)
+    return dataclasses.replace(product_methods(profile, calibrated=True), **METHODS[name])
+
+
 SLICES = ("kjv", "python_docs")
 
 
 def evaluate(folder: Path, slices, num_tokens: int) -> dict[str, float]:
+    from assets import held_out_text_path  # benchmarks/assets.py
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mha2mla.evaluation.perplexity import held_out_perplexity
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return {name: held_out_perplexity(model, tokenizer, name, num_tokens=num_tokens) for name in slices}
+    return {name: held_out_perplexity(model, tokenizer, held_out_text_path(name), num_tokens=num_tokens) for name in slices}
 
 
 _STATISTICS: dict = {}
 
 
-def source_statistics(source: Path, options) -> list:
+class PrecomputedStatistics:
+    """A calibration provider whose statistics were computed once on the source model's own activations
+    (the same for every method and budget). It has no refit: methods that refit or calibrate
+    sequentially need the live provider, and the pipeline would refuse them here."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+    def statistics(self, layer: int):
+        return self.layers[layer]
+
+    def refit(self, layer: int, tensors):
+        raise RuntimeError("precomputed statistics cannot refit; use a sequential method with the live provider")
+
+    def advance(self, layer: int, tensors) -> None:
+        pass  # the statistics already follow the source model
+
+
+def source_statistics(source: Path, options, profile: str) -> PrecomputedStatistics:
     """Every layer's statistics on the source model's own activations, computed once per calibration set."""
-    from mha2mla.convert.calibration import calibration_statistics
+    from mha2mla.convert.calibration import calibration_provider
     from mha2mla.convert.plan import make_plan
     from mha2mla.families import family_for_config
     from mha2mla.io.source import open_source
@@ -70,16 +101,10 @@ def source_statistics(source: Path, options) -> list:
     if key not in _STATISTICS:
         ckpt = open_source(source)
         family = family_for_config(ckpt.config)
-        provider = calibration_statistics(ckpt, family, make_plan(ckpt.config, family, options), options, progress=False)
-        _STATISTICS[key] = [provider(layer) for layer in range(provider.num_layers)]
-    return _STATISTICS[key]
-
-
-def method_options(method: str, args) -> dict:
-    spec = dict(METHODS[method])
-    if spec.pop("calib", False):
-        spec.update(calib=args.calib, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len)
-    return spec
+        plan = make_plan(ckpt.config, family, options, methods=method_set("act-attention", profile))
+        provider = calibration_provider(ckpt, family, plan)
+        _STATISTICS[key] = [provider.statistics(layer) for layer in range(provider.num_layers)]
+    return PrecomputedStatistics(_STATISTICS[key])
 
 
 def run_one(source: Path, budget: float, rope_dim: int | None, method: str, profile: str, args) -> dict:
@@ -89,25 +114,22 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
     from mha2mla.families import family_for_config
     from mha2mla.io.source import open_source
 
-    options = dict(profile=profile, kv_budget=budget, **method_options(method, args))
-    if args.norm_calibration != "auto":
-        options["norm_calibration"] = args.norm_calibration
-    if rope_dim is not None:  # same total cache as the budget, another rope/rank split
+    methods = method_set(method, profile)
+    calibration = {"calib": args.calib, "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
+    options = dict(profile=profile, kv_budget=budget, **calibration)
+    if rope_dim is not None or args.full_rank:  # the same total cache as the budget, another rope/rank split
         ckpt = open_source(source)
-        plan = make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(profile=profile, kv_budget=budget))
-        options.update(kv_budget=None, rope_dim=rope_dim, kv_lora_rank=plan.kv_lora_rank + plan.rope_dim - rope_dim)
-    if args.full_rank:  # no low-rank loss: only the rope cut (at the rope dim given) remains
-        ckpt = open_source(source)
-        plan = make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(profile=profile, kv_budget=budget))
-        full = 2 * plan.shape.num_kv_heads * plan.shape.head_dim + plan.kv_lora_rank - plan.latent_rank
-        options.update(kv_budget=None, rope_dim=rope_dim or plan.rope_dim, kv_lora_rank=full)
+        plan = make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(**options), methods=methods)
+        options.update(kv_budget=None, rope_dim=rope_dim or plan.rope_dim)
+        full = 2 * plan.shape.num_kv_heads * plan.shape.head_dim + plan.extra_channels
+        options["kv_lora_rank"] = full if args.full_rank else plan.kv_lora_rank + plan.rope_dim - options["rope_dim"]
     options = ConvertOptions(**options)
     statistics = None
-    if options.calib is not None and not options.calib_sequential:
-        statistics = source_statistics(source, options).__getitem__  # the same for every method and budget
+    if methods.needs_statistics and not methods.sequential and not methods.refit:
+        statistics = source_statistics(source, options, profile)  # the same for every method and budget
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         started = time.time()
-        result = convert(source, Path(tmp) / "out", options, progress=False, statistics=statistics,
+        result = convert(source, Path(tmp) / "out", options, progress=False, statistics=statistics, methods=methods,
                          command="benchmarks/quality.py")
         seconds = time.time() - started
         perplexity = evaluate(Path(tmp) / "out", args.slices, args.windows * 512)
@@ -142,12 +164,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="source model (default: the cached SmolLM2-135M GGUF)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.3125, 0.1875, 0.125])
-    parser.add_argument("--methods", nargs="+", default=["weight-svd", "act-pca", "act-attention-seq", "act-attention-refit"],
+    parser.add_argument("--methods", nargs="+", default=["weight-svd", "act-pca", "act-attention-seq", DEFAULT_METHOD],
                         choices=list(METHODS))
     parser.add_argument("--profiles", nargs="+", default=["exact", "portable"], choices=["exact", "portable"])
     parser.add_argument("--rope-dims", type=int, nargs="+", default=None, help="rope/rank splits to sweep (same total)")
     parser.add_argument("--full-rank", action="store_true", help="keep the full latent rank (measures the rope cut alone)")
-    parser.add_argument("--norm-calibration", default="auto", choices=["auto", "rms", "mean", "channel", "stabilized"])
     parser.add_argument("--calib", default="default")
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=256)
@@ -157,7 +178,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the summary JSON here")
     args = parser.parse_args(argv)
 
-    from mha2mla.data.assets import default_model_gguf
+    from assets import default_model_gguf  # benchmarks/assets.py
+
     from mha2mla.io.source import resolve_source
 
     source = resolve_source(args.model or default_model_gguf())

@@ -349,3 +349,145 @@ def test_offline_detection(monkeypatch):
     check_tasks(["kjv_ppl"], manager, offline=True)  # offline: bundled tasks are fine
     with pytest.raises(UserError, match="offline"):
         check_tasks(["arc_easy"], manager, offline=True)
+
+
+# ---------------------------------------------------------------- perplexity primitive, --text, missing assets
+
+
+def test_batch_nll_is_the_summed_cross_entropy_of_the_selected_targets():
+    from mha2mla.evaluation import batch_nll, window_perplexity
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(), dtype=torch.float32).eval()
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    per_target = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(2, 8)
+    nll, count = batch_nll(model, {"input_ids": ids})
+    assert count == 16 and nll == pytest.approx(float(per_target.sum()), rel=1e-5)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, 3:], mask[1, :2] = True, True
+    nll, count = batch_nll(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, mask)
+    assert count == 7 and nll == pytest.approx(float(per_target[mask].sum()), rel=1e-5)
+    ppl = window_perplexity(model, ids.flatten().tolist(), window=9, batch_size=1)
+    assert ppl == pytest.approx(float(per_target.mean().exp()), rel=1e-5)
+
+
+def test_text_file_perplexity_needs_no_fetched_asset(models, tmp_path, monkeypatch):
+    """`eval --text FILE` alone: token perplexity of the file through batch_nll, no lm-eval task, empty cache."""
+    from mha2mla.data.held_out import text_token_ids
+    from mha2mla.evaluation import load_model, window_perplexity
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MHA2MLA_CACHE", str(cache))
+    text = tmp_path / "notes.txt"
+    text.write_text(_synthetic_text(3)[:20000], encoding="utf-8")
+    out = tmp_path / "report"
+    args = ["eval", str(models["converted"]), "-b", str(models["source"]), "--text", str(text), "--text-tokens", "600"]
+    assert _run_cli([*args, "--out", str(out)], monkeypatch) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["settings"]["tasks"] == [] and report["settings"]["include_path"] is None
+    assert report["settings"]["text"] == str(text.resolve()) and report["settings"]["text_tokens"] == 600
+    for model in report["models"]:
+        assert model["shown"] == ["text:notes.txt"] and model["n_samples"] == {"text:notes.txt": 512}
+        loaded = load_model(model["path"], device="cpu")
+        expected = window_perplexity(loaded.model, text_token_ids(loaded.tokenizer, text, 600), 512)
+        assert model["tasks"]["text:notes.txt"]["token_perplexity"] == pytest.approx(expected, rel=1e-6)
+    assert "| text:notes.txt | token_perplexity |" in (out / "results.md").read_text()
+    assert (out / "perplexity_vs_kv.png").exists()
+    assert not (cache / "text").exists() and not (cache / "eval_tasks").exists()
+
+
+def test_short_text_is_one_window_and_a_missing_text_is_one_sentence(models, tmp_path, monkeypatch, capsys):
+    from mha2mla.evaluation import load_model, text_perplexity
+
+    loaded = load_model(models["source"], device="cpu")
+    short = tmp_path / "short.txt"
+    short.write_text("keys and values of the latent cache.", encoding="utf-8")
+    scored = text_perplexity(loaded.model, loaded.tokenizer, short)
+    assert 1 < scored["tokens"] < 512 and scored["token_perplexity"] > 1.0
+    code, err = _error_of([str(models["source"]), "--text", str(tmp_path / "absent.txt")], monkeypatch, capsys)
+    assert code == 2 and "absent.txt is not a file" in err and "\n" not in err
+
+
+def test_without_cached_texts_the_defaults_are_the_mmlu_tasks(models, tmp_path, monkeypatch, capsys):
+    """A machine where `make assets` never ran: perplexity tasks are left out of the defaults, naming one is an
+    error that says how to get its text, and the default model is an error that says how to fetch it."""
+    from mha2mla.evaluation.tasks import bundled_task_dir, parse_task_list
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MHA2MLA_CACHE", str(cache))
+    (cache / "text").mkdir(parents=True)
+    (cache / "text" / "kjv.txt").write_text(_synthetic_text(1), encoding="utf-8")
+    assert parse_task_list(None) == ["kjv_ppl", "mmlu_dev_mc", "mmlu_dev_cloze"]
+    assert (bundled_task_dir() / "kjv_ppl.yaml").is_file()
+    (cache / "text" / "kjv.txt").unlink()
+    assert parse_task_list(None) == ["mmlu_dev_mc", "mmlu_dev_cloze"]
+    folder = bundled_task_dir()
+    assert not (folder / "kjv_ppl.yaml").exists() and not (folder / "kjv_ppl.jsonl").exists()
+    assert (folder / "mmlu_dev_mc.yaml").is_file()
+    code, err = _error_of([str(models["source"]), "--tasks", "mmlu_dev_mc,kjv_ppl"], monkeypatch, capsys)
+    assert code == 2 and "\n" not in err
+    assert err.startswith("error: task 'kjv_ppl' needs the King James Bible text in ")
+    assert "make assets" in err and "--text FILE" in err
+    code, err = _error_of(["--tasks", "mmlu_dev_mc"], monkeypatch, capsys)
+    assert code == 2 and "\n" not in err
+    assert "the default model SmolLM2-135M-Instruct.Q4_1.gguf is not in" in err and "make assets" in err
+
+
+# ---------------------------------------------------------------- --recipe
+
+
+def test_recipe_eval_section_with_flags_winning(models, tmp_path, monkeypatch):
+    import yaml
+
+    text = tmp_path / "t.txt"
+    text.write_text(_synthetic_text(4)[:8000], encoding="utf-8")
+    out = tmp_path / "from-recipe"
+    recipe = tmp_path / "r.yaml"
+    section = {"text": str(text), "text_tokens": 300, "seed": 3, "out": str(out), "dtype": "float32"}
+    recipe.write_text(yaml.safe_dump({"eval": section}))
+    assert _run_cli(["eval", str(models["source"]), "--recipe", str(recipe), "--text-tokens", "200"], monkeypatch) == 0
+    settings = json.loads((out / "results.json").read_text())["settings"]
+    assert settings["seed"] == 3 and settings["dtype"] == "float32" and settings["tasks"] == []
+    assert settings["text_tokens"] == 200 and settings["text"] == str(text.resolve())
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"taks": ["kjv_ppl"]}, "eval.taks is not an eval setting (did you mean 'tasks'?)"),
+        ({"limit": -1}, "eval.limit: Input should be greater than 0"),
+        ({"dtype": "fp8"}, "eval.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
+    ],
+)
+def test_invalid_recipe_eval_section_is_one_sentence(section, message, models, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"eval": section}))
+    code, err = _error_of([str(models["source"]), "--recipe", str(recipe)], monkeypatch, capsys)
+    assert code == 2
+    assert err == f"error: recipe {recipe} has an invalid eval section: {message}; fix or remove that key."
+
+
+def test_every_recipe_eval_section_is_valid(eval_cache):
+    """The shipped recipes' eval: sections validate and name tasks lm-eval knows (with the bundled ones)."""
+    from pathlib import Path
+
+    import yaml
+
+    from mha2mla.evaluation import task_manager
+    from mha2mla.evaluation.recipe import load_eval_settings
+    from mha2mla.evaluation.tasks import parse_task_list
+
+    recipes = sorted(Path(__file__).resolve().parents[1].glob("recipes/*/*.yaml"))
+    with_eval = [path for path in recipes if "eval" in (yaml.safe_load(path.read_text()) or {})]
+    assert any("smollm2" in str(path) for path in with_eval)
+    known = set(task_manager().all_tasks)
+    for path in with_eval:
+        settings = load_eval_settings(path)
+        assert settings.tasks, path
+        assert set(parse_task_list(settings.tasks)) <= known, path

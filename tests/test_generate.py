@@ -1,4 +1,4 @@
-"""Latent-cache generation (mha2mla.modeling.engine) against transformers' DeepseekV3 on tiny random models."""
+"""Latent-cache generation (mha2mla.modeling.model / .generate) against transformers' DeepseekV3 on tiny random models."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from mha2mla import UserError
 from mha2mla.modeling.absorbed import write_absorbed
-from mha2mla.modeling.engine import MLAEngine, sample_next
+from mha2mla.modeling.generate import MLAEngine, sample_next
+from mha2mla.modeling.rmsnorm import rms_norm
 
 CONFIGS = {
     "plain": {},
@@ -61,9 +62,9 @@ def test_cache_holds_what_transformers_caches(checkpoint):
     """After prefill, row b of the latent cache equals transformers' DeepseekV3 cache: the normalised latent
     (r values) and the rotated rope key (d_r values), nothing per head."""
     _, model, engine = checkpoint
-    config = engine.config
-    cache = engine.new_cache(len(PROMPTS), 16)
-    engine.prefill(cache, PROMPTS)
+    config = engine.model.config
+    cache = engine.model.new_cache(len(PROMPTS), 16)
+    engine.model.prefill(cache, PROMPTS)
     assert cache.lengths.tolist() == [len(p) for p in PROMPTS]
     for row, prompt in enumerate(PROMPTS):
         reference = DynamicCache(config=config)
@@ -90,9 +91,9 @@ def test_ragged_batch_equals_one_prompt_at_a_time(checkpoint):
 def test_cache_bytes_are_latent_plus_rope_per_token_per_layer(checkpoint, dtype):
     folder, _, _ = checkpoint
     engine = MLAEngine.from_pretrained(folder, dtype=dtype)
-    config = engine.config
+    config = engine.model.config
     tokens = 37
-    cache = engine.new_cache(batch_size=2, max_tokens=tokens)
+    cache = engine.model.new_cache(batch_size=2, max_tokens=tokens)
     element = torch.empty((), dtype=dtype).element_size()
     per_row = (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_hidden_layers * tokens * element
     assert cache.nbytes == 2 * per_row
@@ -162,23 +163,31 @@ def test_cli_without_absorbed_weights_says_so(tmp_path, capsys):
 
 
 def test_kernel_decode_attention_equals_torch(checkpoint, monkeypatch):
-    """The engine's call into mha2mla.kernels' split-KV decode (Triton's interpreter on CPU) gives the
-    logits of the plain PyTorch absorbed attention, on a ragged batch."""
+    """The model's call into mha2mla.kernels' split-KV decode (natively on a GPU, in Triton's interpreter on CPU:
+    tests/conftest.py sets TRITON_INTERPRET=1 there) gives the logits of the plain PyTorch absorbed attention,
+    on a ragged batch, and really runs the kernel at every decode step of every layer."""
     import mha2mla.kernels.decode as triton_decode
-    from mha2mla.kernels.backend import choose_backend
 
     calls = []
     real = triton_decode.mla_decode_latent_triton
     monkeypatch.setattr(triton_decode, "mla_decode_latent_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     folder, _, engine = checkpoint
-    kernel_engine = MLAEngine.from_pretrained(folder, decode_attention="kernel")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel_engine = MLAEngine.from_pretrained(folder, device=device, dtype=torch.float32, decode_attention="kernel")
+    assert engine.model.decode_backend == "reference" and kernel_engine.model.decode_backend == "triton"
     expected = engine.generate(PROMPTS, max_new_tokens=6, eos_token_ids=[], return_logits=True)
     got = kernel_engine.generate(PROMPTS, max_new_tokens=6, eos_token_ids=[], return_logits=True)
-    if choose_backend(torch.zeros(1)) == "triton":  # TRITON_INTERPRET=1 without a GPU (tests/conftest.py)
-        assert len(calls) == 5 * engine.config.num_hidden_layers  # every decode step of every layer
+    assert len(calls) == 5 * engine.model.config.num_hidden_layers  # every decode step of every layer
     for a, b in zip(got, expected):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
+
+
+def test_kernel_decode_attention_where_triton_cannot_run_is_a_user_error(checkpoint, monkeypatch):
+    folder, _, _ = checkpoint
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter: no Triton
+    with pytest.raises(UserError, match="cannot run on cpu"):
+        MLAEngine.from_pretrained(folder, device="cpu", decode_attention="kernel")
 
 
 def test_unknown_decode_attention_is_a_user_error(checkpoint):
@@ -189,14 +198,35 @@ def test_unknown_decode_attention_is_a_user_error(checkpoint):
 
 def test_bfloat16_engine_stays_close_to_float32(checkpoint):
     folder, _, engine = checkpoint
-    low = MLAEngine.from_pretrained(folder, dtype=torch.bfloat16)
-    cache_32, cache_16 = engine.new_cache(len(PROMPTS), 16), low.new_cache(len(PROMPTS), 16)
-    logits_32, logits_16 = engine.prefill(cache_32, PROMPTS), low.prefill(cache_16, PROMPTS)
+    model_32, model_16 = engine.model, MLAEngine.from_pretrained(folder, dtype=torch.bfloat16).model
+    cache_32, cache_16 = model_32.new_cache(len(PROMPTS), 16), model_16.new_cache(len(PROMPTS), 16)
+    logits_32, logits_16 = model_32.prefill(cache_32, PROMPTS), model_16.prefill(cache_16, PROMPTS)
     for _ in range(4):
         assert logits_16.dtype == torch.float32 and cache_16.data.dtype == torch.bfloat16
         torch.testing.assert_close(logits_16, logits_32, atol=0.25, rtol=0)  # logits of several units
         tokens = logits_32.argmax(-1)
-        logits_32, logits_16 = engine.decode(cache_32, tokens), low.decode(cache_16, tokens)
+        logits_32, logits_16 = model_32.decode(cache_32, tokens), model_16.decode(cache_16, tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_rms_norm_is_transformers_rmsnorm_and_keeps_float32_on_request(dtype):
+    """The default mode is transformers' DeepseekV3RMSNorm bit for bit (normalise in fp32, cast back, scale);
+    keep_float32 scales the fp32 normalised values, so it differs from the default only in 16-bit dtypes."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 48, generator=generator) * 7).to(dtype)
+    norm = DeepseekV3RMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=generator) + 0.5)
+        expected = norm(x)
+    got = rms_norm(x, norm.weight.detach(), 1e-5)
+    assert got.dtype == dtype and torch.equal(got, expected)
+    wide = rms_norm(x, norm.weight.detach().float(), 1e-5, keep_float32=True)
+    x32 = x.float()
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide, norm.weight.float() * x32 / (x32.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt())
+    assert torch.equal(wide, got.float()) == (dtype == torch.float32)
 
 
 ROPE_SCALINGS = {
@@ -234,7 +264,7 @@ def test_converted_smollm2_matches_transformers(tmp_path):
     of magnitude ~30, so a looser absolute tolerance than on the tiny models), 5,760 cache bytes per token."""
     import subprocess
 
-    from mha2mla.data.assets import cache_dir, default_model_gguf
+    from assets import cache_dir, default_model_gguf  # benchmarks/assets.py (tests/conftest.py puts it on sys.path)
 
     folder = cache_dir() / "converted" / "smollm2-135m-kv0.125"
     if not (folder / "absorbed.json").exists():
@@ -248,4 +278,4 @@ def test_converted_smollm2_matches_transformers(tmp_path):
     reference = _reference_logits(model, result.prompt_tokens + result.tokens)
     start = len(result.prompt_tokens) - 1
     torch.testing.assert_close(result.logits, reference[start : start + 16], atol=2e-3, rtol=0)
-    assert engine.new_cache(1, 1).nbytes == 5760
+    assert engine.model.new_cache(1, 1).nbytes == 5760

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assets import default_model_gguf, held_out_token_ids  # benchmarks/assets.py: fetched on first use
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.pipeline import convert
 from mha2mla.convert.portable import check_portable_folder
-from mha2mla.data.assets import default_model_gguf, held_out_token_ids
 from mha2mla.evaluation.perplexity import window_perplexity
 from mha2mla.io.source import resolve_source
 

