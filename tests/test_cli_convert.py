@@ -102,6 +102,32 @@ def test_truncated_weights(tmp_path, capsys):
     _assert_clean_failure(code, err, out, "truncated")
 
 
+@pytest.mark.parametrize("key", ["num_attention_heads", "hidden_size"])
+def test_config_missing_a_key(tmp_path, capsys, key):
+    src = build_source(tmp_path / "src", "llama")
+    config = json.loads((src / "config.json").read_text())
+    del config[key]
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", src, out, "--no-progress"], capsys)
+    _assert_clean_failure(code, err, out, key)
+
+
+def test_copied_tensor_with_the_wrong_shape(tmp_path, capsys):
+    """An MLP tensor is copied as it is: a shape that disagrees with config.json used to give a checkpoint
+    that transformers refuses to load."""
+    src = build_source(tmp_path / "src", "llama")
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name][:, :-8].contiguous()
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", src, out, "--no-progress", "--calib", "none"], capsys)
+    _assert_clean_failure(code, err, out, "down_proj")
+
+
 def test_nan_weights(tmp_path, capsys):
     src = build_source(tmp_path / "src", "llama")
     tensors = load_file(str(src / "model.safetensors"))
@@ -121,6 +147,7 @@ def test_nan_weights(tmp_path, capsys):
         (["--kv-lora-rank", "8", "--rope-dim", "32"], "--rope-dim"),
         (["--kv-budget", "0.25", "--kv-lora-rank", "8", "--rope-dim", "8"], "not both"),
         (["--kv-lora-rank", "8"], "--rope-dim"),
+        (["--kv-lora-rank", "100000000", "--rope-dim", "8"], "more than a layer can use"),
         (["--kv-budget", "1.5"], "kv_budget"),
         (["--profile", "fast"], "profile"),
     ],

@@ -253,7 +253,23 @@ def test_dry_run_writes_nothing(sources, tmp_path):
     assert result.plan.calibrated and "calibrated on the bundled sample" in result.plan.method_summary()
 
 
-def test_rank_above_what_a_layer_can_use_is_clamped(sources, tmp_path):
-    result = convert(sources["llama_mha"], tmp_path / "out", ConvertOptions(calib=None, kv_lora_rank=500, rope_dim=16), progress=False)
-    assert result.plan.kv_lora_rank == HIDDEN
-    assert any("clamped" in warning for warning in result.plan.warnings)
+def test_rank_above_what_a_layer_can_use_is_refused(sources, tmp_path):
+    """An explicit rank beyond min(hidden, 2·G·d) would only add zero channels to the cache: refused,
+    naming the full-capacity value (it used to be clamped into a cache larger than the source's)."""
+    from mha2mla import UserError
+
+    with pytest.raises(UserError, match=f"full-capacity value is {HIDDEN}"):
+        convert(sources["llama_mha"], tmp_path / "out", ConvertOptions(calib=None, kv_lora_rank=500, rope_dim=16), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_sources_default_to_a_bfloat16_output(sources):
+    """A GGUF's dequantised copy is float32, but its weights never had that precision: `auto` gives bf16."""
+    from mha2mla.convert.plan import make_plan
+    from mha2mla.families import family_for_config
+
+    config = json.loads((sources["llama_gqa"] / "config.json").read_text())
+    family = family_for_config(config)
+    assert make_plan(config, family, ConvertOptions(calib=None), source_format="gguf").dtype == "bfloat16"
+    assert make_plan(config, family, ConvertOptions(calib=None, dtype="float32"), source_format="gguf").dtype == "float32"
+    assert make_plan(config, family, ConvertOptions(calib=None)).dtype == "float32"

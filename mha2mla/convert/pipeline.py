@@ -54,32 +54,37 @@ class ConversionResult:
     report: dict
 
 
+def source_shapes(plan: ConversionPlan) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for every source tensor we read (by the family's weight key)."""
+    s = plan.shape
+    D, q_rows, kv_rows, vocab, inner = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.vocab_size, s.intermediate_size
+    return {
+        "q_proj": (q_rows, D), "k_proj": (kv_rows, D), "v_proj": (kv_rows, D), "o_proj": (D, q_rows),
+        "q_proj.bias": (q_rows,), "k_proj.bias": (kv_rows,), "v_proj.bias": (kv_rows,), "o_proj.bias": (D,),
+        "input_layernorm": (D,), "post_attention_layernorm": (D,), "final_norm": (D,),
+        "gate_proj": (inner, D), "up_proj": (inner, D), "down_proj": (D, inner),
+        "embed_tokens": (vocab, D), "lm_head": (vocab, D),
+    }
+
+
+def _read(ckpt: LazyCheckpoint, family: Family, plan: ConversionPlan, key: str, layer: int | None = None, suffix: str = ""):
+    """One source tensor, its shape checked against config.json (a mismatch is one sentence)."""
+    return ckpt.get(family.weight(key, layer) + suffix, shape=source_shapes(plan)[key + (".bias" if suffix == ".bias" else "")])
+
+
 def _read_attention(ckpt: LazyCheckpoint, family: Family, layer: int, plan: ConversionPlan) -> SourceAttention:
     def weight(key):
-        return ckpt.get(family.weight(key, layer) + ".weight")
+        return _read(ckpt, family, plan, key, layer, ".weight")
 
     def bias(key, projection):
-        name = family.weight(key, layer) + ".bias"
-        return ckpt.get(name) if plan.biases.get(projection) and ckpt.has(name) else None
+        present = plan.biases.get(projection) and ckpt.has(family.weight(key, layer) + ".bias")
+        return _read(ckpt, family, plan, key, layer, ".bias") if present else None
 
     return SourceAttention(
         q_weight=weight("q_proj"), k_weight=weight("k_proj"), v_weight=weight("v_proj"), o_weight=weight("o_proj"),
-        input_norm_weight=ckpt.get(family.weight("input_layernorm", layer)),
+        input_norm_weight=_read(ckpt, family, plan, "input_layernorm", layer),
         q_bias=bias("q_proj", "q"), k_bias=bias("k_proj", "k"), v_bias=bias("v_proj", "v"), o_bias=bias("o_proj", "o"),
     )
-
-
-def _check_shapes(source: SourceAttention, plan: ConversionPlan, layer: int) -> None:
-    s = plan.shape
-    expected = {
-        "q_proj": (source.q_weight, (s.num_heads * s.head_dim, s.hidden_size)),
-        "k_proj": (source.k_weight, (s.num_kv_heads * s.head_dim, s.hidden_size)),
-        "v_proj": (source.v_weight, (s.num_kv_heads * s.head_dim, s.hidden_size)),
-        "o_proj": (source.o_weight, (s.hidden_size, s.num_heads * s.head_dim)),
-    }
-    for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape:
-            raise UserError(f"layer {layer} {name} has shape {tuple(tensor.shape)}, but the config implies {shape}; the checkpoint and config.json disagree.")
 
 
 def _command_line() -> str:
@@ -121,7 +126,8 @@ def convert(
         prepare_out(out, force)
     ckpt = open_source(source)
     family = family_for_config(ckpt.config)
-    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=statistics is not None)
+    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=statistics is not None,
+                     source_format="gguf" if str(source).lower().endswith(".gguf") else "safetensors")
     if dry_run or out is None:
         return ConversionResult(out=None, plan=plan, report={"plan": plan.to_dict()})
     provider = None
@@ -150,7 +156,6 @@ def convert(
 def _convert_layer(ckpt, family: Family, plan: ConversionPlan, layer: int, provider: CalibrationProvider | None):
     """One layer's attention: read, convert with this layer's statistics, refit, advance the calibration."""
     source = _read_attention(ckpt, family, layer, plan)
-    _check_shapes(source, plan, layer)
     converted = convert_attention(source, plan, provider.statistics(layer) if provider is not None else None)
     if provider is not None:
         if plan.methods.refit:
@@ -163,7 +168,7 @@ def _convert_layer(ckpt, family: Family, plan: ConversionPlan, layer: int, provi
 def _write_checkpoint(ckpt, family: Family, plan: ConversionPlan, folder: Path, provider, progress: bool) -> dict:
     dtype = plan.torch_dtype
     writer = ShardedWriter(folder, max_shard_bytes=plan.max_shard_size)
-    embed = ckpt.get(family.weight("embed_tokens"))
+    embed = _read(ckpt, family, plan, "embed_tokens")
     writer.add("model.embed_tokens.weight", embed.to(dtype))
     kv_b_weights, layers, dropped = {}, [], set()
     description = "converting" + (" (calibrated)" if plan.calibrated else " (weight-only)")
@@ -174,14 +179,14 @@ def _write_checkpoint(ckpt, family: Family, plan: ConversionPlan, folder: Path, 
             writer.add(f"{prefix}.self_attn.{name}", tensor)
         kv_b_weights[f"{prefix}.self_attn.kv_b_proj.weight"] = converted.tensors["kv_b_proj.weight"]
         writer.add(f"{prefix}.input_layernorm.weight", source.input_norm_weight.to(dtype))
-        writer.add(f"{prefix}.post_attention_layernorm.weight", ckpt.get(family.weight("post_attention_layernorm", layer)).to(dtype))
+        writer.add(f"{prefix}.post_attention_layernorm.weight", _read(ckpt, family, plan, "post_attention_layernorm", layer).to(dtype))
         for key in ("gate_proj", "up_proj", "down_proj"):
-            writer.add(f"{prefix}.mlp.{key}.weight", ckpt.get(family.weight(key, layer)).to(dtype))
+            writer.add(f"{prefix}.mlp.{key}.weight", _read(ckpt, family, plan, key, layer).to(dtype))
         layers.append({"layer": layer, **converted.report})
         dropped.update(converted.dropped_biases)
-    writer.add("model.norm.weight", ckpt.get(family.weight("final_norm")).to(dtype))
+    writer.add("model.norm.weight", _read(ckpt, family, plan, "final_norm").to(dtype))
     if not ckpt.config.get("tie_word_embeddings", False):
-        writer.add("lm_head.weight", ckpt.get(family.weight("lm_head")).to(dtype))
+        writer.add("lm_head.weight", _read(ckpt, family, plan, "lm_head").to(dtype))
     elif plan.untie_embeddings:
         writer.add("lm_head.weight", embed.to(dtype).clone())
     writer.finish()

@@ -18,6 +18,7 @@ from mha2mla.families import Family
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class SourceShape:
 
     @classmethod
     def from_config(cls, config: dict) -> SourceShape:
+        missing = [key for key in REQUIRED_CONFIG_KEYS if config.get(key) is None]
+        if missing:
+            raise UserError(f"the source config.json lacks {', '.join(missing)}; it is incomplete or not a causal LM config.")
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         rope = config.get("rope_parameters") or {}
@@ -146,7 +150,13 @@ class ConversionPlan:
         return data
 
 
-def _source_dtype(config: dict) -> str:
+def _output_dtype(config: dict, options: ConvertOptions, source_format: str) -> str:
+    """``auto``: the source's dtype — bfloat16 for a GGUF source, whose dequantised copy is float32 but whose
+    weights never had float32 precision (a float32 output would be several times its size for nothing)."""
+    if options.dtype != "auto":
+        return options.dtype
+    if source_format == "gguf":
+        return "bfloat16"
     name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
     return name if name in DTYPES else "float32"
 
@@ -163,6 +173,12 @@ def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int) -> 
         kv_lora_rank = total - rope_dim
     validate_rope_dim(shape.head_dim, rope_dim)
     latent_rank = kv_lora_rank - extra_channels
+    if options.kv_lora_rank is not None and latent_rank > shape.max_latent_rank:
+        raise UserError(
+            f"--kv-lora-rank {kv_lora_rank} asks for {latent_rank} latent channels, more than a layer can use "
+            f"({shape.max_latent_rank} = min(hidden size, 2 x KV heads x head dim)); the full-capacity value is "
+            f"{shape.max_latent_rank + extra_channels}."
+        )
     if latent_rank < 1:
         raise UserError(
             f"the KV budget ({kv_lora_rank + rope_dim} values per token per layer) leaves no latent channel beside "
@@ -189,9 +205,10 @@ def _source_warnings(config: dict, family: Family, exact: bool) -> list[str]:
 
 
 def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods: Methods | None = None,
-              external_statistics: bool = False) -> ConversionPlan:
+              external_statistics: bool = False, source_format: str = "safetensors") -> ConversionPlan:
     """Resolve every choice once. ``methods`` overrides the product's method set (benchmarks only);
-    ``external_statistics``: the caller supplies the calibration provider (it makes the plan calibrated)."""
+    ``external_statistics``: the caller supplies the calibration provider (it makes the plan calibrated);
+    ``source_format``: ``gguf`` sources (quantised or half precision) default to a bfloat16 output."""
     shape = SourceShape.from_config(config)
     if shape.num_heads % shape.num_kv_heads:
         raise UserError(f"num_attention_heads {shape.num_heads} is not a multiple of num_key_value_heads {shape.num_kv_heads}.")
@@ -224,7 +241,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
         target_rope_theta=target_rope_theta(shape.rope_theta, shape.head_dim, rope_dim),
         latent_rank=kv_lora_rank - methods.extra_channels,
         kv_lora_rank=kv_lora_rank,
-        dtype=_source_dtype(config) if options.dtype == "auto" else options.dtype,
+        dtype=_output_dtype(config, options, source_format),
         use_q_lora=exact and biases["q"],
         untie_embeddings=untie and bool(config.get("tie_word_embeddings", False)),
         methods=methods,
