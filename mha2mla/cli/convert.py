@@ -13,14 +13,14 @@ from mha2mla.convert.options import build_options, load_recipe
 def convert_command(
     source: str = typer.Argument(..., help="Hub id, local HF folder or .gguf file. With a recipe holding `source:`, give only OUT."),
     out: Optional[Path] = typer.Argument(None, help="Output folder (must not exist or be empty, unless --force)."),
-    profile: Optional[str] = typer.Option(None, metavar="PROFILE", help="portable (default: transformers, vLLM, SGLang) or exact (transformers only, exact at full capacity)."),
+    target: Optional[str] = typer.Option(None, metavar="ENGINE", help="transformers (default), vllm, sglang or llama.cpp: the engine whose loader and fast kernels the shapes must suit (docs/engines.md)."),
+    profile: Optional[str] = typer.Option(None, metavar="PROFILE", help="portable (default: what serving engines build — no attention biases, silu, interleaved plain rope; --target picks the shapes) or exact (transformers only, exact at full capacity)."),
     kv_budget: Optional[float] = typer.Option(None, help="Fraction of the source's KV values per token per layer to keep (default 0.25)."),
     kv_lora_rank: Optional[int] = typer.Option(None, help="The config's kv_lora_rank (what the cache stores), with --rope-dim instead of --kv-budget."),
     rope_dim: Optional[int] = typer.Option(None, help="qk_rope_head_dim: size of the shared rope key (with --kv-lora-rank)."),
     dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="Output dtype: auto (the source's, the default), float32, bfloat16 or float16."),
     calib: Optional[str] = typer.Option(None, metavar="TEXT", help="Calibration text: `default` (the bundled sample, the default), a .txt/.jsonl/.parquet file, a folder or a dataset id; `none` for the fast weight-only path (poor quality without `mha2mla recover`)."),
-    calib_samples: Optional[int] = typer.Option(None, metavar="N", help="Calibration sequences (default 128)."),
-    calib_seq_len: Optional[int] = typer.Option(None, metavar="L", help="Tokens per calibration sequence (default 256)."),
+    calib_samples: Optional[int] = typer.Option(None, metavar="N", help="Calibration sequences of 256 tokens (default 128; `calib_seq_len` in a recipe sets their length)."),
     calib_device: Optional[str] = typer.Option(None, metavar="DEVICE", help="Device for calibration (cpu, cuda, cuda:1; default cuda if available)."),
     recipe: Optional[Path] = typer.Option(None, help="A recipe YAML holding these options (flags given here win)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (ranks, method, KV bytes/token, parameters) and write nothing."),
@@ -40,9 +40,9 @@ def convert_command(
             raise UserError("give both SOURCE and OUT (or a --recipe with `source:` and only OUT).")
         source, out = loaded.source, Path(source)
     options = build_options(
-        loaded, profile=profile, kv_budget=kv_budget, kv_lora_rank=kv_lora_rank,
+        loaded, target=target, profile=profile, kv_budget=kv_budget, kv_lora_rank=kv_lora_rank,
         rope_dim=rope_dim, dtype=dtype, calib=calib, calib_samples=calib_samples,
-        calib_seq_len=calib_seq_len, calib_device=calib_device,
+        calib_device=calib_device,
     )
     result = convert(source, out, options, force=force, dry_run=dry_run, progress=progress)
     typer.echo(format_plan(result.plan))

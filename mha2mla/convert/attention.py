@@ -118,3 +118,22 @@ def convert_attention(source: SourceAttention, plan: ConversionPlan, stats: Laye
     }
     out = {name: tensor.to(plan.torch_dtype).contiguous() for name, tensor in tensors.items()}
     return ConvertedAttention(tensors=out, report=report, dropped_biases=written.dropped_biases)
+
+
+def pad_value_heads(tensors: dict[str, torch.Tensor], num_heads: int, head_dim: int, v_head_dim: int) -> dict[str, torch.Tensor]:
+    """Value heads widened from ``head_dim`` to ``v_head_dim`` with zeros, for engines whose kernels take only
+    some head dims (docs/engines.md): the extra value rows of kv_b_proj produce zeros, and the o_proj
+    columns that read them are zero, so the layer computes exactly what it did."""
+    if v_head_dim == head_dim:
+        return tensors
+    H, d, pad = num_heads, head_dim, v_head_dim - head_dim
+    kv_b = tensors["kv_b_proj.weight"]
+    r = kv_b.shape[1]
+    heads = kv_b.view(H, 2 * d, r)  # (H, [k_nope d; v d], r)
+    zeros = torch.zeros(H, pad, r, dtype=kv_b.dtype)
+    out = dict(tensors)
+    out["kv_b_proj.weight"] = torch.cat([heads, zeros], dim=1).reshape(H * (d + v_head_dim), r).contiguous()
+    o_proj = tensors["o_proj.weight"]  # (D, H*d)
+    D = o_proj.shape[0]
+    out["o_proj.weight"] = torch.cat([o_proj.view(D, H, d), torch.zeros(D, H, pad, dtype=o_proj.dtype)], dim=2).reshape(D, -1)
+    return out

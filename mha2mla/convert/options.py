@@ -21,6 +21,8 @@ class ConvertOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     profile: Literal["portable", "exact"] = "portable"
+    target: Literal["transformers", "vllm", "sglang", "llama.cpp"] = Field(
+        "transformers", description="the engine whose loader and fast kernels the shapes must suit (docs/engines.md)")
     kv_budget: float | None = Field(None, description="fraction of the source's KV values per token per layer")
     kv_lora_rank: int | None = Field(None, description="the config's kv_lora_rank (extra latent channels included)")
     rope_dim: int | None = Field(None, description="qk_rope_head_dim, the shared rope key's size")

@@ -13,7 +13,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,9 @@ from tqdm.auto import tqdm
 from transformers import DeepseekV3Config
 
 from mha2mla import UserError, __version__
-from mha2mla.convert.attention import convert_attention
+from mha2mla.convert.attention import convert_attention, pad_value_heads
 from mha2mla.convert.calibration import calibration_provider
+from mha2mla.convert.engines import engine_violations
 from mha2mla.convert.layer import SourceAttention
 from mha2mla.convert.methods import Methods
 from mha2mla.convert.options import ConvertOptions
@@ -34,6 +34,7 @@ from mha2mla.convert.stats import CalibrationProvider, require_provider
 from mha2mla.convert.target_config import deepseek_config
 from mha2mla.families import Family, family_for_config
 from mha2mla.io.card import write_model_card
+from mha2mla.io.output import check_destination, check_replaceable, staged_output
 from mha2mla.io.reader import LazyCheckpoint
 from mha2mla.io.source import open_source
 from mha2mla.io.writer import ShardedWriter
@@ -96,9 +97,10 @@ def _progress(iterable, total: int, enabled: bool, description: str):
     return tqdm(iterable, total=total, desc=description, unit="layer") if enabled else iterable
 
 
-def prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise UserError(f"{out} already exists and is not empty; choose another OUT or pass --force to replace it.")
+def prepare_out(out: Path, force: bool, source: str | Path) -> None:
+    """Refuse an OUT that is unsafe to write (mha2mla/io/output.py) before any work is done."""
+    check_destination(out, [("the source model", source)])
+    check_replaceable(out, force)
 
 
 def convert(
@@ -123,7 +125,7 @@ def convert(
         require_provider(statistics)
     out = Path(out) if out is not None else None
     if out is not None and not dry_run:
-        prepare_out(out, force)
+        prepare_out(out, force, source)
     ckpt = open_source(source)
     family = family_for_config(ckpt.config)
     plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=statistics is not None,
@@ -134,9 +136,7 @@ def convert(
     if plan.calibrated:
         provider = statistics if statistics is not None else calibration_provider(ckpt, family, plan)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with staged_output(out, force=force) as tmp:  # swapped into OUT only once everything is written
         report = _write_checkpoint(ckpt, family, plan, tmp, provider, progress)
         report.update(
             source=str(source), command=command or _command_line(), mha2mla_version=__version__,
@@ -144,12 +144,6 @@ def convert(
         )
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         write_model_card(tmp, report)
-        _normal_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return ConversionResult(out=out, plan=plan, report=report)
 
 
@@ -162,6 +156,7 @@ def _convert_layer(ckpt, family: Family, plan: ConversionPlan, layer: int, provi
             converted.tensors, refit_report = provider.refit(layer, converted.tensors)
             converted.report.update(refit_report)
         provider.advance(layer, converted.tensors)  # the next layer's calibration input
+    converted.tensors = pad_value_heads(converted.tensors, plan.shape.num_heads, plan.shape.head_dim, plan.v_head_dim)
     return source, converted
 
 
@@ -217,17 +212,9 @@ def _write_metadata(ckpt, plan: ConversionPlan, folder: Path, kv_b_weights: dict
             shutil.copy2(ckpt.folder / name, folder / name)
     write_absorbed(folder, kv_b_weights, DeepseekV3Config(**{k: v for k, v in config.items() if k != "mha2mla"}))
     problems = portable_violations(config, list(_written_names(folder))) if plan.profile == "portable" else []
+    problems += engine_violations(plan.target, config, sorted(path.name for path in folder.iterdir()))
     if problems:
-        raise RuntimeError(f"internal error: the portable output breaks a serving constraint: {problems[0]}")
-
-
-def _normal_permissions(folder: Path) -> None:
-    """mkdtemp makes a private folder; the output gets the permissions of any folder the user makes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for path in folder.iterdir():
-        os.chmod(path, 0o666 & ~umask)
+        raise RuntimeError(f"internal error: the output breaks a constraint of its target: {problems[0]}")
 
 
 def _written_names(folder: Path):

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mha2mla import UserError
+from mha2mla.convert.engines import Engine, engine, engine_shape
 from mha2mla.convert.methods import Methods, product_methods
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.rope import kept_pairs, target_rope_theta, validate_rope_dim
@@ -84,8 +85,10 @@ class CalibrationSettings:
 class ConversionPlan:
     family: str
     profile: str
+    target: str  # the engine the shapes suit (engines.ENGINES)
     shape: SourceShape
     rope_dim: int
+    v_head_dim: int  # the source head dim, or more where the target needs it (V rows and o_proj zero-padded)
     rope_pairs: tuple[int, ...]  # source pairs kept as rope, in target order
     target_rope_theta: float
     latent_rank: int  # real latent channels
@@ -136,7 +139,7 @@ class ConversionPlan:
         source = (H * d + 2 * G * d) * D + D * H * d
         q_rows = H * (d + self.rope_dim)
         q_params = (D + 1) * D + q_rows * (D + 1) if self.use_q_lora else q_rows * D
-        target = q_params + (r + self.rope_dim) * D + r + H * 2 * d * r + D * H * d
+        target = q_params + (r + self.rope_dim) * D + r + H * (d + self.v_head_dim) * r + D * H * self.v_head_dim
         return {"source_per_layer": source, "converted_per_layer": target,
                 "source_total": source * s.num_layers, "converted_total": target * s.num_layers}
 
@@ -150,20 +153,35 @@ class ConversionPlan:
         return data
 
 
-def _output_dtype(config: dict, options: ConvertOptions, source_format: str) -> str:
-    """``auto``: the source's dtype — bfloat16 for a GGUF source, whose dequantised copy is float32 but whose
-    weights never had float32 precision (a float32 output would be several times its size for nothing)."""
+def _output_dtype(config: dict, options: ConvertOptions, source_format: str, rules: Engine) -> str:
+    """``auto``: what the target engine serves (bfloat16 for the GPU engines), else the source's dtype —
+    bfloat16 for a GGUF source, whose dequantised copy is float32 but whose weights never had float32
+    precision (a float32 output would be several times its size for nothing)."""
     if options.dtype != "auto":
         return options.dtype
+    if rules.dtype is not None:
+        return rules.dtype
     if source_format == "gguf":
         return "bfloat16"
     name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
     return name if name in DTYPES else "float32"
 
 
-def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int) -> tuple[int, int, list[str]]:
-    """(kv_lora_rank, rope_dim, warnings) from the budget or the explicit ranks."""
+def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int, rules: Engine) -> tuple[int, int, int, list[str]]:
+    """(kv_lora_rank, rope_dim, v_head_dim, warnings) from the budget or the explicit ranks, in shapes the
+    target engine accepts."""
     warnings = []
+    if rules.rope_dims or rules.cache_widths or rules.rank_multiple or rules.head_shapes:
+        total = round((options.kv_budget if options.kv_budget is not None else 0.25) * shape.kv_values_per_token_per_layer)
+        chosen = engine_shape(rules, shape.head_dim, shape.kv_values_per_token_per_layer,
+                              shape.max_latent_rank + extra_channels, budget=options.kv_budget,
+                              kv_lora_rank=options.kv_lora_rank, rope_dim=options.rope_dim,
+                              default_rope_dim=default_rope_dim(total, shape.head_dim))
+        if chosen.note:
+            warnings.append(chosen.note)
+        if chosen.kv_lora_rank - extra_channels < 1:
+            raise UserError(f"kv_lora_rank {chosen.kv_lora_rank} leaves no latent channel beside the extra channel.")
+        return chosen.kv_lora_rank, chosen.rope_dim, chosen.v_head_dim, warnings
     if options.kv_lora_rank is not None:
         kv_lora_rank, rope_dim = options.kv_lora_rank, options.rope_dim
     else:
@@ -187,7 +205,7 @@ def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int) -> 
     if latent_rank > shape.max_latent_rank:
         warnings.append(f"latent rank {latent_rank} exceeds what a layer can use ({shape.max_latent_rank}); clamped.")
         kv_lora_rank = shape.max_latent_rank + extra_channels
-    return kv_lora_rank, rope_dim, warnings
+    return kv_lora_rank, rope_dim, shape.head_dim, warnings
 
 
 def _source_warnings(config: dict, family: Family, exact: bool) -> list[str]:
@@ -215,6 +233,10 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
     if shape.head_dim % 2:
         raise UserError(f"head dim {shape.head_dim} is odd; RoPE needs an even head dim.")
     exact = options.profile == "exact"
+    rules = engine(options.target)
+    if options.profile not in rules.profiles:
+        raise UserError(f"--target {options.target} serves the portable profile only ({rules.label} has no attention "
+                        "biases); drop --profile exact.")
     calibrated = options.calibrated or external_statistics
     methods = methods or product_methods(options.profile, calibrated)
     methods.check(options.profile)
@@ -223,7 +245,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
     activation = config.get("hidden_act", "silu")
     if not exact and activation != "silu":
         raise UserError(f"the source MLP uses {activation}, but serving engines' DeepSeek MLP is silu only; use --profile exact.")
-    kv_lora_rank, rope_dim, warnings = _sizes(shape, options, methods.extra_channels)
+    kv_lora_rank, rope_dim, v_head_dim, warnings = _sizes(shape, options, methods.extra_channels, rules)
     warnings += _source_warnings(config, family, exact)
     for message in warnings:
         log.warning(message)
@@ -235,13 +257,15 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
     return ConversionPlan(
         family=family.name,
         profile=options.profile,
+        target=options.target,
         shape=shape,
         rope_dim=rope_dim,
+        v_head_dim=v_head_dim,
         rope_pairs=tuple(kept_pairs(shape.head_dim, rope_dim)),
         target_rope_theta=target_rope_theta(shape.rope_theta, shape.head_dim, rope_dim),
         latent_rank=kv_lora_rank - methods.extra_channels,
         kv_lora_rank=kv_lora_rank,
-        dtype=_output_dtype(config, options, source_format),
+        dtype=_output_dtype(config, options, source_format, rules),
         use_q_lora=exact and biases["q"],
         untie_embeddings=untie and bool(config.get("tie_word_embeddings", False)),
         methods=methods,
@@ -258,14 +282,17 @@ def format_plan(plan: ConversionPlan) -> str:
     kv = plan.kv_bytes_per_token()
     params = plan.attention_parameters()
     lines = [
-        f"family {plan.family}, profile {plan.profile}, dtype {plan.dtype}",
+        f"family {plan.family}, profile {plan.profile}, target {engine(plan.target).label}, dtype {plan.dtype}",
         f"source: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV heads, head dim {s.head_dim}, rope theta {s.rope_theta:g}",
-        f"target: kv_lora_rank {plan.kv_lora_rank} (latent rank {plan.latent_rank}"
+        f"output: kv_lora_rank {plan.kv_lora_rank} (latent rank {plan.latent_rank}"
         f"{f' + {plan.extra_channels} {plan.methods.kv_norm} channel' if plan.extra_channels else ''}), "
         f"rope dim {plan.rope_dim} (pairs {list(plan.rope_pairs[:4])}{'...' if len(plan.rope_pairs) > 4 else ''}), rope theta {plan.target_rope_theta:g}",
         f"method: {plan.method_summary()}",
+        *([f"value heads zero-padded from {s.head_dim} to {plan.v_head_dim} dims (exact) for {engine(plan.target).label}"]
+          if plan.v_head_dim != s.head_dim else []),
         f"per layer: r={plan.kv_lora_rank}, d_r={plan.rope_dim} for all {s.num_layers} layers (global in the config)",
-        f"KV cache per token: {kv['source']:,.0f} B -> {kv['converted']:,.0f} B ({100 * kv['ratio']:.2f}% of the source)",
+        f"KV cache per token ({plan.dtype}, all layers): {kv['source']:,.0f} B -> {kv['converted']:,.0f} B "
+        f"({100 * kv['ratio']:.2f}% of the source)",
         f"attention parameters: {params['source_total']:,} -> {params['converted_total']:,}",
     ]
     lines += [f"warning: {w}" for w in plan.warnings]

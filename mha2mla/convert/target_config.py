@@ -8,8 +8,13 @@ from mha2mla import __version__
 from mha2mla.convert.plan import ConversionPlan
 
 
-def deepseek_config(plan: ConversionPlan, source_config: dict) -> dict:
-    """The output config.json as a dict (validated by transformers' DeepseekV3Config)."""
+def deepseek_config(plan: ConversionPlan, source_config: dict, padded: bool = True) -> dict:
+    """The output config.json as a dict (validated by transformers' DeepseekV3Config). ``padded=False``:
+    the value heads at the source head dim, as calibration builds the converted layers before padding.
+
+    Every MLP is dense (``first_k_dense_replace`` = the layer count); the MoE keys still have to be there
+    because engines read them unconditionally: ``moe_layer_freq`` (SGLang's layer sparsity test),
+    ``n_routed_experts`` (vLLM's weight-name mapping). docs/engines.md."""
     s = plan.shape
     rope = {"rope_type": "default", "rope_theta": plan.target_rope_theta}
     source_rope = source_config.get("rope_parameters") or {}
@@ -36,7 +41,7 @@ def deepseek_config(plan: ConversionPlan, source_config: dict) -> dict:
         q_lora_rank=(s.hidden_size + 1) if plan.use_q_lora else None,
         qk_rope_head_dim=plan.rope_dim,
         qk_nope_head_dim=s.head_dim,
-        v_head_dim=s.head_dim,
+        v_head_dim=plan.v_head_dim if padded else s.head_dim,
         hidden_act=source_config.get("hidden_act", "silu"),
         max_position_embeddings=source_config.get("max_position_embeddings", 4096),
         rms_norm_eps=source_config.get("rms_norm_eps", 1e-6),
@@ -50,13 +55,14 @@ def deepseek_config(plan: ConversionPlan, source_config: dict) -> dict:
     )
     data = config.to_dict()
     data["architectures"] = ["DeepseekV3ForCausalLM"]
+    data["moe_layer_freq"] = 1
     data["dtype"] = plan.dtype
     data["rope_theta"] = plan.target_rope_theta  # engines that read the pre-v5 key
-    data["mha2mla"] = {"version": __version__, "profile": plan.profile, "source_family": plan.family}
+    data["mha2mla"] = {"version": __version__, "profile": plan.profile, "target": plan.target, "source_family": plan.family}
     return data
 
 
 def deepseek_config_object(plan: ConversionPlan, source_config: dict) -> DeepseekV3Config:
-    """The same config as a transformers object (for building modules without weights)."""
-    data = deepseek_config(plan, source_config)
+    """The unpadded config as a transformers object (calibration builds the converted layers with it)."""
+    data = deepseek_config(plan, source_config, padded=False)
     return DeepseekV3Config(**{k: v for k, v in data.items() if k not in ("mha2mla", "architectures", "dtype")})

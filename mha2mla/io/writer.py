@@ -96,8 +96,9 @@ class ShardedWriter:
                 self._write_shard(entries, self.folder / filename, spool)
                 weight_map.update({entry.name: filename for entry in entries})
         os.remove(self.folder / SPOOL_FILE)
-        if count > 1:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        # always an index, one shard too: loaders that find none glob every *.safetensors in the folder
+        # (vLLM, SGLang) and would take other files, such as absorbed.safetensors, for model weights
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         return names
 
