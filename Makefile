@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-export MHA2MLA_CACHE ?= $(CURDIR)/.cache
+# The cache (models, texts, dequantised GGUFs) is this checkout's .cache/, for make and the CLI alike
+# (mha2mla/io/cache.py); set MHA2MLA_CACHE to move it.
 # torch: the CPU build on machines without CUDA (never a multi-GB CUDA download there).
 TORCH_VERSION ?= 2.13.0
 # Extra pip arguments for torch (e.g. a local wheel folder: TORCH_PIP_ARGS="--find-links DIR").

@@ -26,6 +26,7 @@ def main() -> None:
     from mha2mla.convert.options import ConvertOptions
     from mha2mla.convert.pipeline import convert
     from mha2mla.convert.plan import format_plan
+    from mha2mla.evaluation.measure import kv_cache_size
     from mha2mla.evaluation.perplexity import window_perplexity
     from mha2mla.io.cache import cache_dir
     from mha2mla.io.source import resolve_source
@@ -39,25 +40,24 @@ def main() -> None:
     # activation-aware initialisation on the bundled public-domain calibration sample
     options = ConvertOptions(kv_budget=budget, profile="portable", calib="default")
     started = time.time()
-    command = f"mha2mla convert {gguf} {out} --kv-budget {budget} --calib default"
-    result = convert(source, out, options, force=True, command=command)
+    command = f"mha2mla convert {gguf} {out} --kv-budget {budget} --calib default --force"
+    result = convert(gguf, out, options, force=True, command=command)
     print(format_plan(result.plan))
     print(f"converted in {time.time() - started:.1f} s -> {out}")
 
+    # KV bytes as the plan counts them: the cache's values per token (measured) x bytes per value of the output dtype
+    dtype, bytes_per_value = result.plan.dtype, result.plan.torch_dtype.itemsize
     tokenizer = AutoTokenizer.from_pretrained(source)
     ids = held_out_token_ids(tokenizer, "kjv", tokens)
     rows = []
     for name, folder in (("source (GQA)", source), ("converted (MLA)", out)):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        with torch.no_grad():
-            cache = model(torch.tensor([ids[:64]]), use_cache=True).past_key_values
-        values = sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values))
-        bytes_per_token_bf16 = values * 2 // 64
-        rows.append((name, window_perplexity(model, ids), bytes_per_token_bf16))
+        values = kv_cache_size(model, torch.tensor([ids[:64]]))["kv_cache_values_per_token"]
+        rows.append((name, window_perplexity(model, ids), round(values) * bytes_per_value))
         del model
     (_, base_ppl, base_bytes), (_, mla_ppl, mla_bytes) = rows
     print()
-    print(f"| model | KJV perplexity ({tokens} held-out tokens) | KV cache bytes/token (bf16, measured) |")
+    print(f"| model | KJV perplexity ({tokens} held-out tokens) | KV cache bytes/token ({dtype}, measured) |")
     print("|---|---|---|")
     for name, ppl, nbytes in rows:
         print(f"| {name} | {ppl:.2f} | {nbytes:,} |")

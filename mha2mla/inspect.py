@@ -1,50 +1,81 @@
-"""``inspect_model``: what a model is and which MLA budgets it can be converted to."""
+"""``inspect_model``: what a model is and which MLA budgets it can be converted to.
+
+KV bytes per token are counted as the plan counts them (``ConversionPlan.kv_bytes_per_token``): every layer's cached
+values times the bytes per value of the dtype a default ``mha2mla convert`` writes, named in ``kv_dtype``.
+"""
 
 from __future__ import annotations
 
+from mha2mla import UserError
 from mha2mla.convert.options import ConvertOptions
-from mha2mla.convert.plan import SourceShape, make_plan
+from mha2mla.convert.plan import DTYPES, SourceShape, make_plan
 from mha2mla.families import family_for_config
+from mha2mla.io.reader import read_config
 from mha2mla.io.source import resolve_source
 
+BUDGETS = (0.5, 0.3125, 0.25, 0.1875, 0.125, 0.0625)
+MLA_KEYS = ("num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
-def inspect_model(model: str) -> dict:
-    import json
 
-    folder = resolve_source(model)
-    config = json.loads((folder / "config.json").read_text())
-    if config.get("model_type") == "deepseek_v3":
-        layers = config["num_hidden_layers"]
-        values = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        return {
-            "family": "deepseek_v3 (MLA)",
-            "layers": layers,
-            "heads": config["num_attention_heads"],
-            "kv_lora_rank": config["kv_lora_rank"],
-            "qk_rope_head_dim": config["qk_rope_head_dim"],
-            "qk_nope_head_dim": config["qk_nope_head_dim"],
-            "v_head_dim": config["v_head_dim"],
-            "rope": config.get("rope_parameters"),
-            "kv_values_per_token_per_layer": values,
-            "kv_bytes_per_token_bf16": values * layers * 2,
-            "converted_by": config.get("mha2mla"),
-        }
-    family = family_for_config(config)
-    shape = SourceShape.from_config(config)
-    values = shape.kv_values_per_token_per_layer
-    budgets = []
-    for budget in (0.5, 0.3125, 0.25, 0.1875, 0.125, 0.0625):
+def _dtype_label(name: str) -> str:
+    return f"{name} ({DTYPES[name].itemsize} bytes per value)"
+
+
+def _mla_info(config: dict) -> dict:
+    """A converted (DeepSeek-V3) model: its cache in the dtype it is stored in."""
+    missing = [key for key in MLA_KEYS if config.get(key) is None]
+    if missing:
+        raise UserError(f"the deepseek_v3 config.json lacks {', '.join(missing)}; it is incomplete.")
+    layers = config["num_hidden_layers"]
+    values = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    dtype = dtype if dtype in DTYPES else "float32"
+    return {
+        "family": "deepseek_v3 (MLA)",
+        "layers": layers,
+        "heads": config["num_attention_heads"],
+        "kv_lora_rank": config["kv_lora_rank"],
+        "qk_rope_head_dim": config["qk_rope_head_dim"],
+        "qk_nope_head_dim": config["qk_nope_head_dim"],
+        "v_head_dim": config["v_head_dim"],
+        "rope": config.get("rope_parameters"),
+        "kv_values_per_token_per_layer": values,
+        "kv_bytes_per_token": values * layers * DTYPES[dtype].itemsize,
+        "kv_dtype": _dtype_label(dtype),
+        "converted_by": config.get("mha2mla"),
+    }
+
+
+def _budgets(config: dict, family, source_format: str) -> tuple[list[dict], str]:
+    """The default conversion at each budget this model reaches (a budget too small for it is left out), and the
+    dtype those conversions write."""
+    rows, dtype = [], None
+    for budget in BUDGETS:
         try:
-            plan = make_plan(config, family, ConvertOptions(kv_budget=budget))
-        except Exception:  # a budget too small for this model
+            plan = make_plan(config, family, ConvertOptions(kv_budget=budget), source_format=source_format)
+        except UserError:
             continue
-        budgets.append({
+        dtype = plan.dtype
+        rows.append({
             "kv_budget": budget,
             "values_per_token_per_layer": plan.kv_lora_rank + plan.rope_dim,
             "kv_lora_rank": plan.kv_lora_rank,
             "rope_dim": plan.rope_dim,
-            "kv_bytes_per_token": (plan.kv_lora_rank + plan.rope_dim) * shape.num_layers * 2,
+            "kv_bytes_per_token": plan.kv_bytes_per_token()["converted"],
         })
+    return rows, dtype or "float32"
+
+
+def inspect_model(model: str) -> dict:
+    """Family, shape, rope, KV bytes per token (``kv_dtype``) and the reachable budgets of ``model``."""
+    folder = resolve_source(model)
+    config = read_config(folder)
+    if config.get("model_type") == "deepseek_v3":
+        return _mla_info(config)
+    family = family_for_config(config)
+    shape = SourceShape.from_config(config)
+    source_format = "gguf" if str(model).lower().endswith(".gguf") else "safetensors"
+    budgets, dtype = _budgets(config, family, source_format)
     return {
         "family": family.name,
         "architecture": (config.get("architectures") or ["?"])[0],
@@ -55,10 +86,11 @@ def inspect_model(model: str) -> dict:
         "attention": "MHA" if shape.num_heads == shape.num_kv_heads else ("MQA" if shape.num_kv_heads == 1 else "GQA"),
         "head_dim": shape.head_dim,
         "rope": config.get("rope_parameters") or {"rope_theta": shape.rope_theta},
-        "dtype": config.get("dtype") or config.get("torch_dtype"),
-        "kv_values_per_token_per_layer": values,
-        "kv_bytes_per_token": values * shape.num_layers * 2,
-        "kv_bytes_per_token_dtype": "bf16 (2 bytes per value)",
+        "source_dtype": str(config.get("dtype") or config.get("torch_dtype"))
+        + (" (dequantised from the GGUF file)" if source_format == "gguf" else ""),
+        "kv_values_per_token_per_layer": shape.kv_values_per_token_per_layer,
+        "kv_bytes_per_token": shape.kv_values_per_token_per_layer * shape.num_layers * DTYPES[dtype].itemsize,
+        "kv_dtype": _dtype_label(dtype) + ", the dtype `mha2mla convert` writes by default",
         "max_latent_rank": shape.max_latent_rank,
         "budgets": budgets,
     }

@@ -166,7 +166,7 @@ def test_existing_out_is_refused_without_force(source, tmp_path, capsys):
     code, _, err = run_cli(["convert", source, out, "--no-progress"], capsys)
     assert code != 0 and "--force" in err and (out / "keep.txt").read_text() == "mine"
     code, _, err = run_cli(["convert", source, out, "--no-progress", "--force"], capsys)
-    assert code == 0 and not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert code == 2 and "not written by mha2mla" in err and (out / "keep.txt").read_text() == "mine"
 
 
 def test_missing_source(tmp_path, capsys):

@@ -1,12 +1,19 @@
-"""The sharded writer and the lazy reader."""
+"""The sharded writer, the lazy reader and the GGUF cache."""
 
+import fcntl
 import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from mha2mla import UserError
+from mha2mla.io.output import staging_path
 from mha2mla.io.reader import LazyCheckpoint
 from mha2mla.io.writer import ShardedWriter
 
@@ -76,3 +83,89 @@ def test_reader_refuses_pickles(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(UserError, match="pickle"):
         LazyCheckpoint(tmp_path)
+
+
+def _index_folder(tmp_path, weight_map) -> Path:
+    writer = ShardedWriter(tmp_path)
+    writer.add("w", torch.randn(2, 2))
+    writer.finish()
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "/etc/passwd", "sub/model.safetensors", ".."])
+def test_index_shards_stay_inside_the_source_folder(tmp_path, shard):
+    with pytest.raises(UserError, match="outside"):
+        LazyCheckpoint(_index_folder(tmp_path, {"w": shard}))
+
+
+@pytest.mark.parametrize("index", ["{not json", "[1, 2]", '{"weight_map": {"w": 3}}'])
+def test_an_unreadable_index_is_one_sentence(tmp_path, index):
+    folder = _index_folder(tmp_path, {})
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(UserError, match="index"):
+        LazyCheckpoint(folder)
+
+
+class _FakeSaved:
+    """Stands in for a dequantised model or tokenizer: ``save_pretrained`` writes one file (and can run a hook)."""
+
+    def __init__(self, name: str, hook=None):
+        self.name, self.hook = name, hook
+
+    def save_pretrained(self, folder):
+        if self.hook is not None:
+            self.hook()
+        (Path(folder) / self.name).write_text("{}")
+
+
+@pytest.fixture
+def gguf_file(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.Q4_1.gguf"
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def test_gguf_cache_keeps_a_concurrent_winner_and_cleans_stale_staging(gguf_file, monkeypatch):
+    from mha2mla.io import source
+
+    target = source._gguf_cache_folder(gguf_file)
+    target.parent.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    parts = staging_path(target).name.split(".")
+    stale = target.parent / ".".join([*parts[:-3], str(dead.pid), *parts[-2:]])
+    stale.mkdir()  # what a dequantisation killed with SIGKILL leaves
+
+    def another_process_wins():
+        target.mkdir()
+        (target / "config.json").write_text('{"winner": true}')
+
+    monkeypatch.setattr(source, "load_gguf_model", lambda path: (_FakeSaved("config.json", another_process_wins),
+                                                                 _FakeSaved("tokenizer.json")))
+    assert source.gguf_to_folder(gguf_file) == target
+    assert json.loads((target / "config.json").read_text()) == {"winner": True}
+    assert sorted(p.name for p in target.parent.iterdir() if "mha2mla-" in p.name) == []  # ours and the stale one
+
+
+def test_gguf_cache_fills_once_under_a_lock(gguf_file, monkeypatch):
+    from mha2mla.io import source
+
+    calls = []
+    monkeypatch.setattr(source, "load_gguf_model", lambda path: calls.append(path) or (_FakeSaved("config.json"),
+                                                                                      _FakeSaved("tokenizer.json")))
+    target = source._gguf_cache_folder(gguf_file)
+    target.parent.mkdir(parents=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process is dequantising
+        waiting = threading.Thread(target=source.gguf_to_folder, args=(gguf_file,))
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive() and not calls  # it waits instead of dequantising a second time
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+    waiting.join(10)
+    assert not waiting.is_alive() and not calls
+    assert source.gguf_to_folder(gguf_file) == target and not calls

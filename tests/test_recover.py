@@ -120,7 +120,7 @@ def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_model, corpus
                  "conversion_report.json", "recovery_report.json", "step-000020"):
         assert (out / name).exists(), name
     assert "## Recovery fine-tuning" in (out / "README.md").read_text()
-    assert not list(tmp_path.glob(".recovered.writing-*"))
+    assert not list(tmp_path.glob(".recovered.mha2mla-*"))
     loaded = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no remote code
     assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
     assert not any("lora" in name for name in loaded.state_dict())
@@ -356,4 +356,4 @@ def test_bad_input_is_one_sentence_and_leaves_no_output(tiny_model, corpus, tmp_
     message = err.strip().splitlines()
     assert len(message) == 1 and message[0].startswith("error:") and expected in message[0], err
     assert "Traceback" not in err
-    assert not out.exists() and not list(tmp_path.glob(".out.writing-*"))
+    assert not out.exists() and not list(tmp_path.glob(".out.mha2mla-*"))

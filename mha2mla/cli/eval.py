@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
+
+from mha2mla.io.source import check_source
 
 ModelsArg = Annotated[
     list[str] | None,
@@ -40,7 +42,8 @@ SeedOpt = Annotated[
     typer.Option("--seed", help="Seed for every random source of lm-eval, the same for the baseline (default: 1234)."),
 ]
 DtypeOpt = Annotated[
-    str | None, typer.Option("--dtype", help="auto (the checkpoint's own), float32, bfloat16 or float16 (default: auto).")
+    Literal["auto", "float32", "bfloat16", "float16"] | None,
+    typer.Option("--dtype", help="auto (the checkpoint's own, the default), float32, bfloat16 or float16."),
 ]
 TextOpt = Annotated[
     Path | None,
@@ -73,6 +76,9 @@ def eval_command(
     recipe: RecipeOpt = None,
 ) -> None:
     """Evaluate MODELs (and a --baseline) with the same tasks, limit and seed; print and save the comparison."""
+    for spec in [*(models or []), baseline]:  # a mistyped path is one sentence before torch and lm-eval load
+        if spec not in (None, "default"):
+            check_source(spec)
     from mha2mla.evaluation import run_eval
     from mha2mla.evaluation.compare import DEFAULT_OUT
     from mha2mla.evaluation.recipe import load_eval_settings, merge_settings

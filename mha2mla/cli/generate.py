@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -19,7 +19,8 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
     dtype: Annotated[
-        str | None, typer.Option(help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).")
+        Literal["float32", "bfloat16", "float16"] | None,
+        typer.Option(help="Weights and cache dtype (default: float32 on CPU, bfloat16 on CUDA)."),
     ] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the tokenizer's chat template.")] = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Always generate --max-new-tokens tokens.")] = False,

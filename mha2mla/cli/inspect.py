@@ -6,12 +6,16 @@ import json
 
 import typer
 
+from mha2mla.io.source import check_source
+
 
 def inspect_command(
     model: str = typer.Argument(..., help="Hub id, local HF folder or .gguf file."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Family, heads, head dim, RoPE, KV bytes per token, and which budgets are reachable."""
+    """Family, heads, head dim, RoPE, KV bytes per token (in the dtype a conversion writes), and which budgets are
+    reachable."""
+    check_source(model)  # a mistyped path is one sentence before torch loads
     from mha2mla.inspect import inspect_model
 
     info = inspect_model(model)
@@ -20,7 +24,7 @@ def inspect_command(
         return
     for key, value in info.items():
         if key == "budgets":
-            typer.echo("reachable budgets (kv_lora_rank + rope_dim per layer):")
+            typer.echo(f"reachable budgets (kv_lora_rank + rope_dim per layer; bytes in {info['kv_dtype'].split(' ')[0]}):")
             for row in value:
                 typer.echo(f"  {row['kv_budget']:>6.4f}: {row['values_per_token_per_layer']:>5} values = "
                            f"kv_lora_rank {row['kv_lora_rank']} + rope_dim {row['rope_dim']}, {row['kv_bytes_per_token']:,} B/token")

@@ -1,5 +1,6 @@
 """The ``mha2mla`` command. Each subcommand lives in ``mha2mla/cli/<name>.py`` and exposes
-``register(app)``; this module only assembles them and turns user errors into one sentence."""
+``register(app)``; this module only assembles them and turns every user mistake -- a UserError or a command line
+that does not parse -- into one sentence on stderr and exit status 2."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import logging
 import sys
 
 import typer
+from typer._click import exceptions as click_errors  # typer's own click (pinned in pyproject.toml)
 
 from mha2mla import UserError, __version__
 
-COMMAND_MODULES = ["convert", "inspect", "eval", "recover", "generate"]
+COMMAND_MODULES = ["convert", "inspect", "eval", "recover", "generate", "export"]
 
 app = typer.Typer(
     name="mha2mla",
@@ -20,6 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts are plain text: `name[@split]` and the like are shown as written
 )
 
 
@@ -45,12 +48,56 @@ for _name in COMMAND_MODULES:
         importlib.import_module(_module_name).register(app)
 
 
+VALUE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "Path": "PATH"}
+
+
+def _name_values(command) -> None:
+    """Name what each option takes as click does (TEXT, INTEGER, PATH, [a|b]) instead of Typer's Python types
+    (``<str>``, ``<list[str]>``, ``<bool>`` on flags); arguments by their name (SOURCE [OUT])."""
+    for param in command.params:
+        if param.metavar is not None or getattr(param, "is_flag", False):
+            continue
+        described = param.type_descriptor
+        if param.param_type_name == "argument":
+            param.metavar = param.name.upper()
+        elif described.is_choice:
+            param.metavar = "[" + "|".join(str(getattr(c, "value", c)) for c in described.choices) + "]"
+        else:
+            bare = param.bare_type().removeprefix("list[").removesuffix("]")
+            param.metavar = "PATH" if described.is_path else VALUE_NAMES.get(bare, bare.upper())
+    for sub in getattr(command, "commands", {}).values():
+        _name_values(sub)
+
+
+def _usage_sentence(error) -> str:
+    """A command line that does not parse, as one line: what is wrong, and where the help is."""
+    message = " ".join(error.format_message().replace("Value error, ", "").split())
+    where = error.ctx.command_path if getattr(error, "ctx", None) is not None else "mha2mla"
+    return f"{message.rstrip('.')}; see `{where} --help`."
+
+
+def _fail(message: str, code: int) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    sys.exit(code)
+
+
 def main() -> None:
+    command = typer.main.get_command(app)
+    _name_values(command)
     try:
-        app()
+        code = command.main(prog_name="mha2mla", standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as error:
+        error.show()
+        code = 2
+    except click_errors.UsageError as error:
+        _fail(_usage_sentence(error), 2)
+    except click_errors.ClickException as error:
+        _fail(" ".join(error.format_message().split()), error.exit_code)
     except UserError as error:
-        typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
-        sys.exit(2)
+        _fail(str(error), 2)
+    except (typer.Abort, KeyboardInterrupt):
+        _fail("interrupted; run the command again to finish (no partial output is kept).", 130)
+    sys.exit(code if isinstance(code, int) else 0)  # as click's standalone mode: always through SystemExit
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from unittest import mock
 
 from mha2mla import UserError
 
@@ -57,18 +58,21 @@ def evaluate_model(
     manager = task_manager or make_task_manager()
     check_tasks(tasks, manager, offline=offline)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    output = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(tasks),
-        limit=normalize_limit(limit),
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=BOOTSTRAP_ITERS,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    # lm-eval records the git commit of the current folder by running `git describe`, whose "fatal: not a git
+    # repository" reaches the user's terminal outside a repository; the results here never use that hash.
+    with mock.patch("lm_eval.evaluator.get_git_commit_hash", lambda: None):
+        output = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            limit=normalize_limit(limit),
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=BOOTSTRAP_ITERS,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     return summarize(output)
 
 

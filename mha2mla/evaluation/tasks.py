@@ -75,10 +75,10 @@ def _perplexity_task(task: str, data_file: Path) -> dict:
         "output_type": "loglikelihood_rolling",
         "doc_to_text": "",
         "doc_to_target": "text",
-        "metric_list": [
-            {"metric": "word_perplexity"},
-            {"metric": "byte_perplexity"},
-            {"metric": "bits_per_byte"},
+        "metric_list": [  # aggregation and direction spelt out: lm-eval warns about each one left to its default
+            {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+            {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+            {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
         ],
         "metadata": {"version": 1.0},
     }

@@ -1,9 +1,11 @@
 """The local cache folder and the layout of what ``make assets`` puts there.
 
-The cache is ``$MHA2MLA_CACHE`` (the Makefile points it at ``./.cache``), else ``~/.cache/mha2mla``. The library
-only reads from it and writes its own derived files (dequantised GGUF folders, eval task files); fetching the
-default model and the held-out texts is the job of ``benchmarks/assets.py`` (``make assets``), which writes them
-to the paths below (see docs/eval.md).
+One location for the CLI, the library, ``make`` and the recipes: ``$MHA2MLA_CACHE`` when set; else, when mha2mla runs
+from a source checkout (the folder holding ``benchmarks/assets.py``, which fills the cache), that checkout's git-ignored
+``.cache/`` -- the path the recipes and docs name as ``.cache/...``; else (an installed wheel) ``~/.cache/mha2mla``.
+The library only reads from it and writes its own derived files (dequantised GGUF folders, eval task files); fetching
+the default model and the held-out texts is the job of ``benchmarks/assets.py`` (``make assets``), which writes them to
+the paths below (see docs/eval.md).
 """
 
 from __future__ import annotations
@@ -14,15 +16,26 @@ from pathlib import Path
 from mha2mla import UserError
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub model that GGUF was made from (model cards)
 # held-out text name -> what it is (its file is text/<name>.txt in the cache)
 HELD_OUT_TEXTS = {"kjv": "the King James Bible", "python_docs": "the Python 3.11 documentation"}
 FETCH_HINT = "run `make assets` (or `python benchmarks/assets.py`) in the mha2mla checkout to fetch it"
 
 
+def _checkout_cache() -> Path | None:
+    """``<checkout>/.cache`` when this package runs from a source checkout (editable install or PYTHONPATH)."""
+    root = Path(__file__).resolve().parents[2]
+    return root / ".cache" if (root / "benchmarks" / "assets.py").is_file() else None
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("MHA2MLA_CACHE") or os.path.join(Path.home(), ".cache", "mha2mla")
+    root = os.environ.get("MHA2MLA_CACHE") or _checkout_cache() or Path.home() / ".cache" / "mha2mla"
     path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create the cache folder {path} ({error.strerror}); set MHA2MLA_CACHE to a folder you "
+                        "can write.") from error
     return path
 
 

@@ -1,8 +1,92 @@
-"""The README.md model card written into every output folder: source, method, budget, the command."""
+"""The README.md model card written into every output folder: source, method, budget, the command.
+
+The YAML header carries ``base_model`` and ``license`` when the source tells them (a hub id, a hub cache folder, a
+model card's own header, a GGUF file's metadata); the title and the source line name the model, never a local path.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import yaml
+from gguf import GGUFReader
+from huggingface_hub import try_to_load_from_cache
+
+from mha2mla.io.cache import DEFAULT_MODEL_FILE, DEFAULT_MODEL_REPO
+
+HUB_URL = re.compile(r"^https?://(?:huggingface\.co|hf\.co)/(?P<repo>[\w.-]+/[\w.-]+)")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+GGUF_QUANT = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+GGUF_CACHE_KEY = re.compile(r"-[0-9a-f]{12}$")  # the dequantised copy's cache folder (mha2mla/io/source.py)
+
+
+def _front_matter(card: Path | None) -> dict:
+    """The YAML header of a model card (empty when there is none or it does not parse)."""
+    if card is None or not Path(card).is_file():
+        return {}
+    text = Path(card).read_text(encoding="utf-8", errors="replace")
+    match = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.DOTALL)
+    try:
+        data = yaml.safe_load(match.group(1)) if match else None
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _gguf_metadata(path: Path) -> dict:
+    try:
+        fields = GGUFReader(str(path)).fields
+    except (OSError, ValueError):  # not readable as GGUF here: the card just lacks the metadata
+        return {}
+    values = {}
+    for key in ("general.license", "general.base_model.0.repo_url", "general.source.repo_url", "general.source.url"):
+        if key in fields:
+            values[key] = str(fields[key].contents())
+    repo = next((HUB_URL.match(values[key])["repo"] for key in list(values)[1:] if HUB_URL.match(values[key])), None)
+    if repo is None and path.name == DEFAULT_MODEL_FILE:
+        repo = DEFAULT_MODEL_REPO
+    return {"license": values.get("general.license"), "base_model": repo}
+
+
+def _folder_metadata(folder: Path) -> dict:
+    header = _front_matter(folder / "README.md")
+    hub = re.search(r"models--([\w.-]+)--([\w.-]+)/snapshots/", str(folder.resolve()) + "/")
+    return {"license": header.get("license"), "base_model": f"{hub[1]}/{hub[2]}" if hub else None}
+
+
+def source_metadata(source: str) -> dict:
+    """``name`` (for the title), ``base_model`` (a hub id) and ``license`` of a SOURCE as given to convert."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        name = GGUF_QUANT.sub("", path.stem)
+        return {"name": name, "file": path.name, **_gguf_metadata(path)}
+    if path.is_dir():
+        name = path.resolve().name
+        if path.resolve().parent.name == "gguf":
+            name = GGUF_QUANT.sub("", GGUF_CACHE_KEY.sub("", name))
+        return {"name": name, "file": name, **_folder_metadata(path)}
+    if HUB_ID.match(str(source)):
+        cached = try_to_load_from_cache(str(source), "README.md")
+        license_ = _front_matter(Path(cached) if isinstance(cached, str) else None).get("license")
+        return {"name": str(source).split("/")[1], "file": str(source), "base_model": str(source), "license": license_}
+    return {"name": Path(str(source)).name or "model", "file": str(source), "base_model": None, "license": None}
+
+
+def _header(meta: dict) -> list[str]:
+    lines = ["---", "library_name: transformers"]
+    if meta.get("base_model"):
+        lines.append(f"base_model: {meta['base_model']}")
+    if meta.get("license"):
+        lines.append(f"license: {meta['license']}")
+    return lines + ["tags: [mha2mla, mla, deepseek_v3]", "---"]
+
+
+def _source_line(meta: dict) -> str:
+    described = f"`{meta['file']}`"
+    if meta.get("base_model") and meta["base_model"] != meta["file"]:
+        described += f" ([{meta['base_model']}](https://huggingface.co/{meta['base_model']}))"
+    return described
 
 
 def write_model_card(folder: str | Path, report: dict, extra_sections: list[str] | None = None) -> None:
@@ -13,16 +97,14 @@ def write_model_card(folder: str | Path, report: dict, extra_sections: list[str]
     mean_k = sum(layer["k_rel_error"] for layer in layers) / max(len(layers), 1)
     mean_v = sum(layer["v_rel_error"] for layer in layers) / max(len(layers), 1)
     portable = plan["profile"] == "portable"
+    meta = source_metadata(str(report.get("source", "model")))
     lines = [
-        "---",
-        "library_name: transformers",
-        "tags: [mha2mla, mla, deepseek_v3]",
-        "---",
-        f"# {Path(report.get('source', 'model')).name} → Multi-head Latent Attention",
+        *_header(meta),
+        f"# {meta['name']} → Multi-head Latent Attention",
         "",
-        f"Converted by mha2mla {report.get('mha2mla_version', '')} from `{report.get('source')}` "
-        f"({plan['family']}, {shape['num_layers']} layers, {shape['num_heads']} query heads, "
-        f"{shape['num_kv_heads']} KV heads, head dim {shape['head_dim']}) into a native DeepSeek-V3 checkpoint.",
+        f"Converted by mha2mla {report.get('mha2mla_version', '')} from {_source_line(meta)} into a native "
+        f"DeepSeek-V3 checkpoint. Source: {plan['family']}, {shape['num_layers']} layers, {shape['num_heads']} query "
+        f"heads, {shape['num_kv_heads']} KV heads, head dim {shape['head_dim']}.",
         "",
         "## Load",
         "",
@@ -43,7 +125,8 @@ def write_model_card(folder: str | Path, report: dict, extra_sections: list[str]
         f"{plan['rope_pairs']}), per-frequency KV-head mixing; rope theta {plan['target_rope_theta']:g}.",
         f"- Latent: kv_lora_rank {plan['kv_lora_rank']} (latent rank {plan['latent_rank']}), joint low rank of [K_nope; V].",
         f"- Mean relative reconstruction error: K {mean_k:.4f}, V {mean_v:.4f} (per layer in conversion_report.json).",
-        f"- KV cache per token: {kv['source']:,.0f} B → {kv['converted']:,.0f} B ({100 * kv['ratio']:.2f}% of the source).",
+        f"- KV cache per token ({plan['dtype']}, all layers): {kv['source']:,.0f} B → {kv['converted']:,.0f} B "
+        f"({100 * kv['ratio']:.2f}% of the source).",
     ]
     if report.get("dropped_biases"):
         lines.append(f"- Source biases not carried (portable profile): {', '.join(report['dropped_biases'])}.")

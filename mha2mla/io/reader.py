@@ -19,6 +19,20 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def read_config(folder: str | Path) -> dict:
+    """``folder``'s config.json as a dict; a missing or unreadable one is a UserError."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{folder} has no config.json; point at a Hugging Face model folder.")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is not valid JSON ({error}); re-download the model or fix the file.") from error
+    if not isinstance(config, dict):
+        raise UserError(f"{path} holds a JSON {type(config).__name__}, not an object of settings; re-download the model.")
+    return config
+
+
 class LazyCheckpoint:
     """Maps tensor names to the shard holding them and reads one tensor at a time with ``safe_open``.
 
@@ -28,22 +42,13 @@ class LazyCheckpoint:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self._handles: dict[str, object] = {}
-        self.config = self._read_config()
+        self.config = read_config(self.folder)
         self.weight_map = self._read_weight_map()
-
-    def _read_config(self) -> dict:
-        path = self.folder / "config.json"
-        if not path.exists():
-            raise UserError(f"{self.folder} has no config.json; point at a Hugging Face model folder.")
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path} is not valid JSON ({error.msg}); re-download the model.") from error
 
     def _read_weight_map(self) -> dict[str, str]:
         index = self.folder / INDEX_FILE
         if index.exists():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            weight_map = self._read_index(index)
             missing = sorted({f for f in weight_map.values() if not (self.folder / f).exists()})
             if missing:
                 raise UserError(f"{self.folder} is missing shard {missing[0]} named in {INDEX_FILE}; re-download the model.")
@@ -56,6 +61,20 @@ class LazyCheckpoint:
                     "convert them to safetensors first."
                 )
             raise UserError(f"{self.folder} has no {SINGLE_FILE} or {INDEX_FILE}; point at a safetensors checkpoint folder.")
+        return weight_map
+
+    def _read_index(self, index: Path) -> dict[str, str]:
+        """The index's weight map; every shard it names must be a file directly inside the checkpoint folder."""
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+            raise UserError(f"{index} is not a valid safetensors index ({error}); re-download the model.") from error
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UserError(f"{index} has no weight_map of tensor names to shard files; re-download the model.")
+        outside = sorted({f for f in weight_map.values() if Path(f).name != f or f in ("", ".", "..")})
+        if outside:
+            raise UserError(f"{index} names shard {outside[0]!r} outside {self.folder}; shards must be files in the "
+                            "checkpoint folder itself.")
         return weight_map
 
     def _open(self, filename: str):

@@ -1,28 +1,50 @@
-"""Resolve a SOURCE argument (local folder, .gguf file or hub id) into a local safetensors folder."""
+"""Resolve a SOURCE argument (local folder, .gguf file or hub id) into a local safetensors folder.
+
+This module stays light (no torch) so that the CLI can check a SOURCE with :func:`check_source` before the heavy
+libraries load; the reader and transformers are imported where a model is actually read.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.reader import LazyCheckpoint
+from mha2mla.io.cache import cache_dir
+from mha2mla.io.output import remove_stale, staging_path, write_errors
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, a concurrent winner is still tolerated
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "README.md"]
 
 
 def _gguf_cache_folder(gguf_path: Path) -> Path:
-    from mha2mla.io.cache import cache_dir
-
     stat = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    return text.count("/") == 1 and not text.startswith((".", "/", "~"))
+
+
+def check_source(source: str | Path) -> None:
+    """The SOURCE mistakes found without reading a model: a path that does not exist, a file that is not a .gguf."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise UserError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id.")
+    if not path.exists() and not _looks_like_hub_id(str(source)):
+        raise UserError(f"{source} does not exist; pass a model folder, a .gguf file or a hub id.")
 
 
 def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
@@ -46,22 +68,51 @@ def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def _filling(target: Path) -> Iterator[None]:
+    """Hold the lock that lets one process at a time fill cache entry ``target`` (the others wait, then find it)."""
+    if fcntl is None:
+        yield
+        return
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another mha2mla process that is dequantising into %s", target)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: tolerate a concurrent winner below
+            pass
+        yield
+
+
 def gguf_to_folder(gguf_path: str | Path) -> Path:
-    """Dequantise a .gguf file once into a cached Hugging Face safetensors folder and return it."""
+    """Dequantise a .gguf file once into a cached Hugging Face safetensors folder and return it.
+
+    Filled under a lock, in a staging folder named with the PID (mha2mla/io/output.py) that is renamed at the end;
+    a killed run's staging folder is removed by the next one, and a concurrent process that won the race is kept."""
     gguf_path = Path(gguf_path)
     target = _gguf_cache_folder(gguf_path)
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("dequantising %s into %s", gguf_path.name, target)
-    model, tokenizer = load_gguf_model(gguf_path)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with write_errors(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    with write_errors(target), _filling(target):
+        remove_stale(target.parent)
+        if (target / "config.json").exists():  # filled while this process waited for the lock
+            return target
+        log.info("dequantising %s into %s", gguf_path.name, target)
+        model, tokenizer = load_gguf_model(gguf_path)
+        staging = staging_path(target)
+        try:
+            staging.mkdir()
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -79,18 +130,17 @@ def _download(repo_id: str) -> Path:
 
 def resolve_source(source: str | Path) -> Path:
     """A local folder holding config.json and safetensors weights for ``source``."""
+    check_source(source)
     path = Path(source).expanduser()
     if path.is_file():
-        if path.suffix == ".gguf":
-            return gguf_to_folder(path)
-        raise UserError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id.")
+        return gguf_to_folder(path)
     if path.is_dir():
         return path
-    text = str(source)
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-        return _download(text)
-    raise UserError(f"{source} does not exist; pass a model folder, a .gguf file or a hub id.")
+    return _download(str(source))
 
 
-def open_source(source: str | Path) -> LazyCheckpoint:
+def open_source(source: str | Path):
+    """A :class:`~mha2mla.io.reader.LazyCheckpoint` of ``source``."""
+    from mha2mla.io.reader import LazyCheckpoint  # torch: imported here so that check_source stays fast
+
     return LazyCheckpoint(resolve_source(source))

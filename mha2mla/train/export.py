@@ -1,18 +1,19 @@
 """Merge the trained weights back and write the native DeepSeek-V3 checkpoint of the recovered model.
 
-Everything is written into a hidden sibling folder first; the run folder's checkpoints and logs are moved
-into it and it is renamed to OUT at the very end, so an error never leaves a half-written model in OUT."""
+OUT is written as every mha2mla output folder is (mha2mla/io/output.py): into a hidden sibling named with the PID,
+the run folder's checkpoints and logs moved into it, then swapped in for OUT, so an error never leaves a half-written
+model in OUT and never loses the run's checkpoints. ``recovery_report.json`` marks the result as mha2mla's."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 from peft import PeftModel
 
+from mha2mla.io.output import check_destination, staged_output
 from mha2mla.modeling.absorbed import write_absorbed
 
 CONVERSION_REPORT = "conversion_report.json"
@@ -58,6 +59,15 @@ def model_card(source_folder: Path, settings: dict, report: dict) -> str:
     return card + "\n".join(lines)
 
 
+def check_out_folder(config) -> None:
+    """Refuse a --out that is unsafe to write before any training: an input (model, teacher, data), a folder holding
+    one, the current folder or one above it, a symbolic link, a file, or a place that cannot be written."""
+    inputs = [("the model being recovered", config.model), ("the teacher", config.teacher)]
+    inputs += [("the training data", spec) for spec in config.data]
+    inputs += [("the held-out data", spec) for spec in config.eval_data or []]
+    check_destination(config.out_path, inputs, name="--out")
+
+
 def write_recovered(
     model,
     tokenizer,
@@ -66,15 +76,11 @@ def write_recovered(
     settings: dict,
     report: dict,
 ) -> Path:
-    """Merge, write safetensors + config + tokenizer + absorbed weights + reports + card, then move into ``out``
-    (keeping whatever the run already put there: checkpoints, logs)."""
+    """Merge, write safetensors + config + tokenizer + absorbed weights + reports + card, then swap the result in for
+    ``out``, keeping whatever the run already put there (checkpoints, logs)."""
     source_folder, out = Path(source_folder), Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.writing-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    moved: list[str] = []
-    try:
+    check_destination(out, [("the model being recovered", source_folder)], name="--out")
+    with staged_output(out, carry=True, name="--out") as staging:
         plain = merged_model(model)
         plain = plain.to(stored_dtype(source_folder))
         plain.config.use_cache = True  # inference default in the written config
@@ -85,19 +91,4 @@ def write_recovered(
             shutil.copy2(source_folder / CONVERSION_REPORT, staging / CONVERSION_REPORT)
         (staging / RECOVERY_REPORT).write_text(json.dumps({"settings": settings, **report}, indent=2) + "\n")
         (staging / "README.md").write_text(model_card(source_folder, settings, report), encoding="utf-8")
-        if out.exists():  # the run folder: checkpoints, recover_config.json, train_log.jsonl
-            for child in out.iterdir():
-                if not (staging / child.name).exists():
-                    os.replace(child, staging / child.name)
-                    moved.append(child.name)
-            out.rmdir()
-        os.replace(staging, out)
-    except BaseException:
-        if moved:  # give the run folder its checkpoints back before dropping the staging folder
-            out.mkdir(exist_ok=True)
-            for name in moved:
-                if (staging / name).exists():
-                    os.replace(staging / name, out / name)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
