@@ -40,6 +40,8 @@ METHODS: dict[str, dict] = {
     "act-attention-seq": {"refit": False},
     # + the read-out refitted on the converted layer towards the source stream: the calibrated default
     "act-attention-refit": {},
+    # + each layer fitted by gradient descent to the source layer's output (convert/reconstruct.py)
+    "act-attention-refit-recon": {"reconstruct": True},
 }
 DEFAULT_METHOD = "act-attention-refit"
 
@@ -83,7 +85,7 @@ class PrecomputedStatistics:
     def statistics(self, layer: int):
         return self.layers[layer]
 
-    def refit(self, layer: int, tensors):
+    def refit(self, layer: int, tensors, source):
         raise RuntimeError("precomputed statistics cannot refit; use a sequential method with the live provider")
 
     def advance(self, layer: int, tensors) -> None:
@@ -160,6 +162,61 @@ def markdown(rows: list[dict], source_ppl: dict) -> str:
     return "\n".join(lines)
 
 
+# tiny random sources per family (tests/common.py builds them): model type, config extras, dims of a head that rotate
+SMOKE_FAMILIES = {
+    "llama": ("llama", {}, 16),
+    "mistral": ("mistral", {}, 16),
+    "qwen2": ("qwen2", {}, 16),
+    "phi3": ("phi3", {"partial_rotary_factor": 0.75,
+                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}}, 12),
+    "granite": ("granite", {"embedding_multiplier": 6.0, "attention_multiplier": 0.2, "residual_multiplier": 0.4,
+                            "logits_scaling": 3.0}, 16),
+    "smollm3": ("smollm3", {"no_rope_layers": [1, 0]}, 16),
+    "qwen3": ("qwen3", {}, 16),
+}
+
+
+def family_smoke(work: str | None) -> list[dict]:
+    """Each family's tiny random source (4 query heads of 16 dims, hidden 64) converted at full capacity (exact
+    profile, an MQA source: exact up to float32 except where the format approximates — Qwen3's q/k norm) and at
+    31.25% (the default, a GQA source with 2 KV heads, calibrated on 16 × 64 tokens): logit errors against the source."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from common import build_source, logits
+
+    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.convert.pipeline import convert
+
+    tokens = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(0))
+    one_position = torch.arange(0, 384, 12).view(-1, 1)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        for name, (model_type, extra, rotating) in SMOKE_FAMILIES.items():
+            settings = {
+                "MQA, full capacity (exact)": (1, ConvertOptions(profile="exact", kv_lora_rank=33, rope_dim=rotating,
+                                                                 calib_samples=16, calib_seq_len=64)),
+                "GQA, 31.25% (default)": (2, ConvertOptions(kv_budget=0.3125, calib_samples=16, calib_seq_len=64)),
+            }
+            for label, (kv_heads, options) in settings.items():
+                source = build_source(Path(tmp) / f"{name}-{kv_heads}", model_type, num_kv_heads=kv_heads, pad_token_id=0, **extra)
+                out = Path(tmp) / f"{name}-out"
+                convert(source, out, options, progress=False, force=True, command="benchmarks/quality.py --family-smoke")
+                row = {"family": name, "setting": label}
+                for inputs, key in ((tokens, "sequence"), (one_position, "one position")):
+                    reference, converted = logits(source, inputs), logits(out, inputs)
+                    row[f"{key} max abs"] = round((converted - reference).abs().max().item(), 5)
+                row["top-1 agreement"] = round((logits(out, tokens).argmax(-1) == logits(source, tokens).argmax(-1)).float().mean().item(), 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def smoke_markdown(rows: list[dict]) -> str:
+    lines = ["| family | setting | max abs logit error (64-token sequences) | at one position | top-1 agreement |", "|---|---|---|---|---|"]
+    lines += [f"| {r['family']} | {r['setting']} | {r['sequence max abs']} | {r['one position max abs']} | {r['top-1 agreement']} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="source model (default: the cached SmolLM2-135M GGUF)")
@@ -176,7 +233,12 @@ def main(argv=None) -> int:
     parser.add_argument("--windows", type=int, default=32, help="512-token windows per slice (32 = the acceptance slices)")
     parser.add_argument("--work", default=None, help="folder for temporary checkpoints")
     parser.add_argument("--json", default=None, help="also write the summary JSON here")
+    parser.add_argument("--family-smoke", action="store_true",
+                        help="convert a tiny random source of every family and print the logit errors (no real model)")
     args = parser.parse_args(argv)
+    if args.family_smoke:
+        print(smoke_markdown(family_smoke(args.work)))
+        return 0
 
     from assets import default_model_gguf  # benchmarks/assets.py
 

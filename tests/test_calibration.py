@@ -294,7 +294,7 @@ def test_mean_rotation_stands_in_for_the_dropped_rotation():
     q = torch.randn(H, d, dtype=torch.float64, generator=generator)
     k = torch.randn(H, d, dtype=torch.float64, generator=generator)
     stats = LayerStatistics(distance_histogram=histogram, pair_frequencies=frequencies)
-    compensated = mean_compensation(q[:, :, None], None, H, stats).weight  # rows of a (H, d, 1) "weight"
+    compensated = mean_compensation(q[:, :, None], None, H, True, stats).weight  # rows of a (H, d, 1) "weight"
     angles = torch.arange(L, dtype=torch.float64)[:, None] * frequencies[None]  # (L, d/2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (L, d)
     for h in range(H):
@@ -417,3 +417,44 @@ def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sou
     assert torch.all(kv_b[:, -1] == 0) and kv_b[:, :-1].abs().sum() > 0  # K/V never read the stabiliser
     assert weights["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][12].abs().sum() > 0
     assert torch.isfinite(logits(tmp_path / "out", input_ids)).all()
+
+
+# --- layer-wise reconstruction (an ablation reachable from the benchmark: convert/reconstruct.py) ----
+
+@pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
+def test_reconstruction_keeps_full_capacity_exact(sources, input_ids, tmp_path, name):
+    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib_samples=8, calib_seq_len=32)
+    result = convert(sources[name], tmp_path / "out", options, progress=False, methods=calibrated(reconstruct=True))
+    difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
+    assert difference < 1e-4, difference
+    assert all(layer["reconstruction_error_after"] <= layer["reconstruction_error"] for layer in result.report["layers"])
+
+
+def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, tmp_path):
+    """At low rank each layer's held-out attention-output error falls (early stopping keeps the best point, so
+    it never rises), and layer 0's reported error equals a direct computation on the written checkpoint."""
+    from mha2mla.convert import reconstruct as module
+
+    tokens = torch.randint(0, 384, (32, 64), generator=torch.Generator().manual_seed(8))
+    folder = sources["llama_gqa"]
+    ckpt = open_source(folder)
+    family = family_for_config(ckpt.config)
+    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2)
+    methods = calibrated(reconstruct=True)
+    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=True)
+    result = convert(folder, tmp_path / "out", options, statistics=LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu"),
+                     progress=False, methods=methods)
+    layers = result.report["layers"]
+    assert all(layer["reconstruction_error_after"] <= layer["reconstruction_error"] for layer in layers)
+    assert layers[0]["reconstruction_error_after"] < 0.99 * layers[0]["reconstruction_error"]
+    # the held-out sequences are the last ones; layer 0 sees the embeddings in both streams
+    held = tokens[-max(1, round(len(tokens) * module.HELD_OUT_FRACTION)):]
+    source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    outputs = {}
+    for name, model in (("source", source), ("target", target)):
+        model.model.layers[0].self_attn.register_forward_hook(lambda m, a, out, name=name: outputs.update({name: out[0]}))
+        with torch.no_grad():
+            model(held)
+    error = ((outputs["target"] - outputs["source"]).pow(2).sum() / outputs["source"].pow(2).sum()).sqrt().item()
+    assert abs(error - layers[0]["reconstruction_error_after"]) < 2e-3, (error, layers[0])

@@ -24,18 +24,19 @@ F64 = torch.float64
 def split_rope(source: SourceAttention, plan: ConversionPlan, stats: LayerStatistics) -> RopeSplit:
     """Step 1: per kept pair, the shared rope key = a mix of the KV heads' key components; the rest
     of every head's key loses its rotation (docs/design.md §3.1)."""
-    H, G, d = plan.shape.num_heads, plan.shape.num_kv_heads, plan.shape.head_dim
+    H, G, d, R = plan.shape.num_heads, plan.shape.num_kv_heads, plan.shape.head_dim, plan.shape.rotating_dims
+    pairs = list(plan.rope_pairs) if source.uses_rope else []  # a layer without rope: its rope key carries nothing
     k_w = source.k_weight.to(F64).view(G, d, -1)  # (G, d, D)
     k_b = None if source.k_bias is None else source.k_bias.to(F64).view(G, d)
     mix = step("rope_mixing", plan.methods.rope_mixing).function
-    key_coeff, query_coeff = mix(source.k_weight.to(F64), None if k_b is None else k_b.reshape(-1), list(plan.rope_pairs), d, stats)
+    key_coeff, query_coeff = mix(source.k_weight.to(F64), None if k_b is None else k_b.reshape(-1), pairs, d, R, stats)
     rope_w = torch.zeros(plan.rope_dim, k_w.shape[2], dtype=F64)  # (d_r, D): interleaved rows
     rope_b = torch.zeros(plan.rope_dim, dtype=F64)
     nope_w, nope_b = k_w.clone(), None if k_b is None else k_b.clone()
-    per_head = torch.zeros(len(plan.rope_pairs), H, dtype=F64)  # (P, H)
-    for j, pair in enumerate(plan.rope_pairs):
+    per_head = torch.zeros(len(plan.rope_pairs), H, dtype=F64)  # (P, H); zero where the layer has no rope
+    for j, pair in enumerate(pairs):
         b, a = key_coeff[j], query_coeff[j]  # (G,) rope key = Σ_g b_g k_g; group g reads a_g of it
-        for c, row in enumerate(pair_rows(d, pair)):
+        for c, row in enumerate(pair_rows(R, pair)):
             rope_w[2 * j + c] = torch.einsum("g,gD->D", b, k_w[:, row, :])
             nope_w[:, row, :] -= a[:, None] * rope_w[2 * j + c]
             if k_b is not None:
@@ -50,15 +51,20 @@ def query_tensors(source: SourceAttention, query: QueryNope, rope: RopeSplit, pl
     (d_n + d_r)^-0.5 folded in; through the q_lora pair when a q bias must be carried exactly."""
     H, d, D = plan.shape.num_heads, plan.shape.head_dim, source.q_weight.shape[1]
     d_r = plan.rope_dim
-    q_scale = ((d + d_r) / d) ** 0.5  # the target scales by (d + d_r)^-0.5 instead of d^-0.5
+    q_scale = plan.shape.softmax_scale * (d + d_r) ** 0.5  # the target scales scores by (d + d_r)^-0.5
     q_w = source.q_weight.to(F64).view(H, d, D)
-    rows = interleaved_order(list(plan.rope_pairs), d)  # (d_r,) source rows in target order
+    rows = interleaved_order(list(plan.rope_pairs), plan.shape.rotating_dims)  # (d_r,) source rows in target order
     coeff = rope.query_coeff.repeat_interleave(2, dim=0).T  # (H, d_r)
-    weight = torch.cat([query.weight, q_w[:, rows, :] * coeff[:, :, None]], dim=1) * q_scale  # (H, d+d_r, D)
+    # rope scaling that scales rotated q·k terms (longrope's attention factor): the target's own scaling
+    # applies it to the rope rows where the config keeps it; the rotated rows moved to NoPE need it folded
+    gain = torch.ones(d + d_r, dtype=F64)
+    gain[: plan.shape.rotating_dims] = plan.shape.rotation_gain
+    gain[d:] = 1.0 if plan.keeps_rope_scaling else plan.shape.rotation_gain
+    weight = torch.cat([query.weight, q_w[:, rows, :] * coeff[:, :, None]], dim=1) * (q_scale * gain)[:, None]  # (H, d+d_r, D)
     bias = None
     if source.q_bias is not None:
         q_b = source.q_bias.to(F64).view(H, d)
-        bias = torch.cat([query.bias, q_b[:, rows] * coeff], dim=1) * q_scale  # (H, d+d_r)
+        bias = torch.cat([query.bias, q_b[:, rows] * coeff], dim=1) * (q_scale * gain)  # (H, d+d_r)
     if not plan.use_q_lora:
         if bias is not None and plan.profile == "exact":
             raise ValueError("a q bias in the exact profile needs use_q_lora=True")
@@ -102,7 +108,8 @@ def convert_attention(source: SourceAttention, plan: ConversionPlan, stats: Laye
     value = source.v_weight.to(F64).view(G, d, -1)  # (G, d, D)
 
     rope = split_rope(source, plan, stats)  # 1. the shared rope key
-    query = step("rope_compensation", methods.rope_compensation).function(source.q_weight.to(F64).view(H, d, -1), q_b, G, stats)
+    query = step("rope_compensation", methods.rope_compensation).function(
+        source.q_weight.to(F64).view(H, d, -1), q_b, G, source.uses_rope, stats)
     latent = step("lowrank", methods.lowrank).function(rope.key_nope_weight, value, plan.latent_rank, H, query, stats)  # 2.
     written = step("kv_norm", methods.kv_norm).function(latent, rope, source, stats, plan.torch_dtype)  # 3.
 

@@ -25,7 +25,9 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
 from mha2mla import UserError
 from mha2mla.convert.calibration_data import calibration_documents, calibration_token_ids
+from mha2mla.convert.layer import SourceAttention
 from mha2mla.convert.plan import ConversionPlan
+from mha2mla.convert.reconstruct import ReconstructionData, reconstruct
 from mha2mla.convert.refit import ReadOutMoments
 from mha2mla.convert.stats import LayerStatistics
 from mha2mla.convert.target_config import deepseek_config_object
@@ -82,10 +84,12 @@ class LayerwiseCalibration:
         self.modules = _modules(ckpt, plan)
         self.num_layers = plan.shape.num_layers
         embed = ckpt.get(family.weight("embed_tokens"))
-        self.hidden = embed[tokens].to(self.device)  # (N, L, D): the current layer's input hidden states
+        self.residual_scale = plan.shape.residual_scale  # folded into the converted o_proj and down_proj (source.py)
+        # (N, L, D): the current layer's input hidden states
+        self.hidden = (embed[tokens] * plan.shape.embedding_scale).to(self.device)
         # the refit's targets come from the source model's own hidden states (sequential only): a
         # second set, pushed through the source layers only
-        self.source_hidden = self.hidden.clone() if (self.sequential and plan.methods.refit) else None
+        self.source_hidden = self.hidden.clone() if (self.sequential and (plan.methods.refit or plan.methods.reconstruct)) else None
         self.layer = 0  # the hidden states are the input of this layer
         N, L = tokens.shape
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
@@ -189,24 +193,29 @@ class LayerwiseCalibration:
                 histogram / histogram.sum(-1, keepdim=True))
 
     @torch.no_grad()
-    def refit(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    def refit(self, layer: int, tensors: dict[str, torch.Tensor], source_attention: SourceAttention) -> tuple[dict[str, torch.Tensor], dict]:
         """The converted layer's value rows and o_proj refitted on what it computes (``refit.py``).
         f always comes from the stream being calibrated; t from the source stream when there is one.
-        A full-capacity conversion, where f spans t exactly, keeps its maps."""
+        A full-capacity conversion, where f spans t exactly, keeps its maps. The source's values and
+        output projection come from ``source_attention`` (canonical: fused tensors split, multipliers
+        folded); its attention probabilities from the source layer itself."""
         source = self._source_layer(layer)
         target = self._target_attention(layer, tensors)
         N, L, D = self.hidden.shape
         config = self.modules.source_config
         H, G, d, r = config.num_attention_heads, config.num_key_value_heads, target.v_head_dim, target.kv_lora_rank
         moments = ReadOutMoments(H, d, r, D, self.device)
-        o_weight = source.self_attn.o_proj.weight.float()  # (D, H*d)
+        o_weight = source_attention.o_weight.float().to(self.device)  # (D, H*d), residual multiplier folded in
+        v_weight = source_attention.v_weight.float().to(self.device)  # (G*d, D)
+        v_bias = None if source_attention.v_bias is None else source_attention.v_bias.float().to(self.device)
         with eager_attention(source.self_attn.config, target.config):
             for start in range(0, N, self.batch_size):
                 x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
                 b = x.shape[0]
                 xs = x if self.source_hidden is None else source.input_layernorm(self.source_hidden[start : start + b])
                 p = source.self_attn(xs, position_embeddings=self.source_rope, attention_mask=self.causal_mask)[1].float()
-                v = source.self_attn.v_proj(xs).view(b, L, G, d).transpose(1, 2).repeat_interleave(H // G, dim=1)
+                v = torch.nn.functional.linear(xs, v_weight, v_bias)  # (b, L, G*d)
+                v = v.view(b, L, G, d).transpose(1, 2).repeat_interleave(H // G, dim=1)
                 t = p @ v  # (b, H, L, d): the source heads' outputs
                 p_converted = target(x, position_embeddings=self.target_rope, attention_mask=self.causal_mask)[1].float()
                 latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r])  # (b, L, r)
@@ -217,10 +226,27 @@ class LayerwiseCalibration:
                     moments.add(k, t[fold], f[fold], y[fold])
         return moments.solve(tensors)
 
+    def reconstruct(self, layer: int, tensors: dict[str, torch.Tensor], source_attention: SourceAttention) -> tuple[dict[str, torch.Tensor], dict]:
+        """The converted layer fitted by gradient descent to the source layer's attention output
+        (``reconstruct.py``): inputs from the stream being calibrated, targets from the source stream."""
+        source = self._source_layer(layer)
+        target = self._target_attention(layer, tensors)
+        with torch.no_grad():
+            x = torch.cat([source.input_layernorm(self.hidden[i : i + self.batch_size])
+                           for i in range(0, self.hidden.shape[0], self.batch_size)])
+            stream = self.hidden if self.source_hidden is None else self.source_hidden
+            y = torch.cat([self.residual_scale * source.self_attn(source.input_layernorm(stream[i : i + self.batch_size]),
+                                                                   position_embeddings=self.source_rope, attention_mask=None)[0]
+                           for i in range(0, stream.shape[0], self.batch_size)])
+        report = reconstruct(target, ReconstructionData(x, y, self.target_rope), exact=self.plan.profile == "exact")
+        state = target.state_dict()
+        return {name: state[name].to(tensor.dtype).cpu() for name, tensor in tensors.items()}, report
+
     @torch.no_grad()
     def advance(self, layer: int, tensors: dict[str, torch.Tensor] | None) -> None:
         """Push the hidden states through layer ``layer``: its converted attention (``tensors``, when
-        calibrating sequentially) or the source attention, then the source MLP."""
+        calibrating sequentially) or the source attention, then the source MLP — each added to the residual
+        stream with the family's residual multiplier (the converted o_proj carries it already)."""
         if layer != self.layer:
             raise RuntimeError(f"calibration advanced through layer {layer} while at layer {self.layer}")
         source = self._source_layer(layer)
@@ -229,17 +255,19 @@ class LayerwiseCalibration:
             h = self.hidden[start : start + self.batch_size]  # (b, L, D)
             x = source.input_layernorm(h)
             if converted is not None:
-                attention = converted(x, position_embeddings=self.target_rope, attention_mask=None)[0]
+                h = h + converted(x, position_embeddings=self.target_rope, attention_mask=None)[0]
             else:
-                attention = source.self_attn(x, position_embeddings=self.source_rope, attention_mask=None)[0]
-            h = h + attention
-            h = h + source.mlp(source.post_attention_layernorm(h))
-            self.hidden[start : start + self.batch_size] = h
+                h = h + self.residual_scale * source.self_attn(x, position_embeddings=self.source_rope, attention_mask=None)[0]
+            self.hidden[start : start + self.batch_size] = h + self.residual_scale * source.mlp(source.post_attention_layernorm(h))
             if self.source_hidden is not None:
-                h = self.source_hidden[start : start + self.batch_size]
-                h = h + source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope, attention_mask=None)[0]
-                self.source_hidden[start : start + self.batch_size] = h + source.mlp(source.post_attention_layernorm(h))
+                self.source_hidden[start : start + self.batch_size] = self._source_block(source, self.source_hidden[start : start + self.batch_size])
         self.layer += 1
+
+    def _source_block(self, source: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """One source decoder layer on hidden states ``h`` (b, L, D)."""
+        attention = source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope, attention_mask=None)[0]
+        h = h + self.residual_scale * attention
+        return h + self.residual_scale * source.mlp(source.post_attention_layernorm(h))
 
 
 @contextmanager

@@ -90,16 +90,17 @@ class EngineShape:
 
 
 def engine_shape(rules: Engine, head_dim: int, source_values: int, largest_rank: int, *, budget: float | None,
-                 kv_lora_rank: int | None, rope_dim: int | None, default_rope_dim: int) -> EngineShape:
+                 kv_lora_rank: int | None, rope_dim: int | None, default_rope_dim: int,
+                 rotating_dims: int | None = None) -> EngineShape:
     """The target's shape for this source: explicit ranks checked against the engine's rules, or the
     budget snapped down to the largest accepted cache that fits in it (a budget is a ceiling)."""
     rope = rope_dim if rope_dim is not None else (rules.rope_dims[0] if rules.rope_dims else default_rope_dim)
     if rules.rope_dims is not None and rope not in rules.rope_dims:
         raise UserError(f"{rules.label} needs qk_rope_head_dim {' or '.join(map(str, rules.rope_dims))}, not {rope} "
                         f"({rules.checked}); use --rope-dim {rules.rope_dims[0]}.")
-    if rope > head_dim:
-        raise UserError(f"{rules.label} needs {rope} rope dims, more than this source's head dim {head_dim}; "
-                        "use --target transformers or llama.cpp.")
+    if rope > (rotating_dims or head_dim):
+        raise UserError(f"{rules.label} needs {rope} rope dims, more than the {rotating_dims or head_dim} dims of this "
+                        "source's heads that rotate; use --target transformers or llama.cpp.")
     v_head_dim = _value_dims(rules, head_dim, rope)
     if v_head_dim is None:
         raise UserError(f"{rules.label}'s MLA prefill accepts (qk_nope, qk_rope, v) head dims only in "

@@ -25,6 +25,7 @@ class SourceAttention:
     k_bias: torch.Tensor | None = None  # (G*d,)
     v_bias: torch.Tensor | None = None  # (G*d,)
     o_bias: torch.Tensor | None = None  # (D,)
+    uses_rope: bool = True  # False for a layer that applies no rope (SmolLM3): every key dim is NoPE already
 
 
 @dataclass

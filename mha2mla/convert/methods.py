@@ -59,24 +59,24 @@ def _require(value, what: str, method: str):
     return value
 
 
-# ---- rope_mixing: (k_weight (G*d, D), k_bias (G*d,) | None, pairs, head_dim, stats) -> (b, a), each (P, G)
+# ---- rope_mixing: (k_weight (G*d, D), k_bias (G*d,) | None, pairs, head_dim, rotary_dim, stats) -> (b, a), each (P, G)
 @register("rope_mixing", "weight")
-def weight_mixing(k_weight, k_bias, pairs, head_dim, stats: LayerStatistics):
+def weight_mixing(k_weight, k_bias, pairs, head_dim, rotary_dim, stats: LayerStatistics):
     """Head mixing from the key weights alone (inputs modelled isotropic)."""
-    return rope_coefficients(k_weight, k_bias, pairs, head_dim)
+    return rope_coefficients(k_weight, k_bias, pairs, head_dim, rotary_dim=rotary_dim)
 
 
 @register("rope_mixing", "activation", needs_statistics=True)
-def activation_mixing(k_weight, k_bias, pairs, head_dim, stats: LayerStatistics):
+def activation_mixing(k_weight, k_bias, pairs, head_dim, rotary_dim, stats: LayerStatistics):
     """Head mixing from the keys' second moment on calibration activations."""
     cov = _require(stats.input_covariance, "input covariance", "activation rope mixing").to(torch.float64)
     mean = None if stats.input_mean is None else stats.input_mean.to(torch.float64)
-    return rope_coefficients(k_weight, k_bias, pairs, head_dim, cov, mean)
+    return rope_coefficients(k_weight, k_bias, pairs, head_dim, cov, mean, rotary_dim=rotary_dim)
 
 
-# ---- rope_compensation: (q_w (H, d, D), q_b (H, d) | None, num_kv_heads, stats) -> QueryNope
+# ---- rope_compensation: (q_w (H, d, D), q_b (H, d) | None, num_kv_heads, uses_rope, stats) -> QueryNope
 @register("rope_compensation", "none")
-def no_compensation(q_w, q_b, num_kv_heads: int, stats: LayerStatistics) -> QueryNope:
+def no_compensation(q_w, q_b, num_kv_heads: int, uses_rope: bool, stats: LayerStatistics) -> QueryNope:
     """The whole query head reads the NoPE content as it is."""
     return QueryNope(weight=q_w, bias=q_b)
 
@@ -91,25 +91,29 @@ def mean_rotation(histogram: torch.Tensor, frequencies) -> tuple[torch.Tensor, t
 
 
 @register("rope_compensation", "mean", needs_statistics=True)
-def mean_compensation(q_w, q_b, num_kv_heads: int, stats: LayerStatistics) -> QueryNope:
+def mean_compensation(q_w, q_b, num_kv_heads: int, uses_rope: bool, stats: LayerStatistics) -> QueryNope:
     """Query rows whose key lost its rotation read the key through E[R(-Δθ)] instead of the identity.
 
     With both sides rotated, q_m·k_n = qᵀ R(-Δθ) k for Δ = m - n. Once k loses its rotation (NoPE
     content) the best constant stand-in, over distances weighted by the source's attention, is
     A = E[R(-Δθ)] = [[C, S], [-S, C]]; the query takes Aᵀ q. What survives of each NoPE key row is
-    |A|² = C² + S² per pair: the latent's objective weighs the rows by it (``key_row_weight``)."""
+    |A|² = C² + S² per pair: the latent's objective weighs the rows by it (``key_row_weight``). Dims that
+    never rotate (beyond a partial rotary, or a layer without rope) lost nothing and stay as they are."""
+    if not uses_rope:
+        return QueryNope(weight=q_w, bias=q_b)
     histogram = _require(stats.distance_histogram, "attention distance histogram", "mean rope compensation")
-    C, S = mean_rotation(histogram, stats.pair_frequencies)  # (H, d/2) each
+    C, S = mean_rotation(histogram, stats.pair_frequencies)  # (H, R/2) each
     H, d, _ = q_w.shape
-    half = d // 2
-    first, second = q_w[:, :half], q_w[:, half:]
-    weight = torch.cat([C[..., None] * first - S[..., None] * second, S[..., None] * first + C[..., None] * second], dim=1)
+    half = C.shape[1]  # R/2: pair i is rows (i, i + R/2)
+    first, second, rest = q_w[:, :half], q_w[:, half : 2 * half], q_w[:, 2 * half :]
+    weight = torch.cat([C[..., None] * first - S[..., None] * second, S[..., None] * first + C[..., None] * second, rest], dim=1)
     bias = None
     if q_b is not None:
-        b1, b2 = q_b[:, :half], q_b[:, half:]
-        bias = torch.cat([C * b1 - S * b2, S * b1 + C * b2], dim=1)
-    surviving = (C * C + S * S).view(num_kv_heads, H // num_kv_heads, -1).mean(1)  # (G, d/2)
-    return QueryNope(weight=weight, bias=bias, key_row_weight=torch.cat([surviving, surviving], dim=1).sqrt())
+        b1, b2, b_rest = q_b[:, :half], q_b[:, half : 2 * half], q_b[:, 2 * half :]
+        bias = torch.cat([C * b1 - S * b2, S * b1 + C * b2, b_rest], dim=1)
+    surviving = (C * C + S * S).view(num_kv_heads, H // num_kv_heads, -1).mean(1).sqrt()  # (G, R/2)
+    unrotated = torch.ones(num_kv_heads, d - 2 * half, dtype=surviving.dtype)
+    return QueryNope(weight=weight, bias=bias, key_row_weight=torch.cat([surviving, surviving, unrotated], dim=1))
 
 
 # ---- lowrank: (key_nope (G, d, D), value (G, d, D), rank, num_heads, query, stats) -> Latent
@@ -219,6 +223,7 @@ class Methods:
     kv_norm: str
     refit: bool  # refit V rows and o_proj on the converted layer (calibration.refit)
     sequential: bool  # calibrate layer i+1 on the converted layers' outputs
+    reconstruct: bool = False  # then fit the layer by gradient descent to the source layer's output (reconstruct.py)
 
     def check(self, profile: str) -> None:
         for kind in STEP_KINDS:
@@ -229,8 +234,13 @@ class Methods:
                 raise ValueError(f"the {kind} method {name!r} cannot produce the {profile} profile")
 
     @property
+    def provider_steps(self) -> tuple[str, ...]:
+        """The calibration provider's steps these methods call (stats.CalibrationProvider)."""
+        return ("statistics", *(["refit"] if self.refit else []), *(["reconstruct"] if self.reconstruct else []), "advance")
+
+    @property
     def needs_statistics(self) -> bool:
-        return self.refit or any(STEPS[kind][getattr(self, kind)].needs_statistics for kind in STEP_KINDS)
+        return self.refit or self.reconstruct or any(STEPS[kind][getattr(self, kind)].needs_statistics for kind in STEP_KINDS)
 
     @property
     def extra_channels(self) -> int:

@@ -21,21 +21,20 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import DeepseekV3Config
 
-from mha2mla import UserError, __version__
+from mha2mla import __version__
 from mha2mla.convert.attention import convert_attention, pad_value_heads
 from mha2mla.convert.calibration import calibration_provider
 from mha2mla.convert.engines import engine_violations
-from mha2mla.convert.layer import SourceAttention
-from mha2mla.convert.methods import Methods
+from mha2mla.convert.methods import Methods, product_methods
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.plan import ConversionPlan, make_plan
 from mha2mla.convert.portable import portable_violations
+from mha2mla.convert.source import SourceReader
 from mha2mla.convert.stats import CalibrationProvider, require_provider
 from mha2mla.convert.target_config import deepseek_config
 from mha2mla.families import Family, family_for_config
 from mha2mla.io.card import write_model_card
 from mha2mla.io.output import check_destination, check_replaceable, staged_output
-from mha2mla.io.reader import LazyCheckpoint
 from mha2mla.io.source import open_source
 from mha2mla.io.writer import ShardedWriter
 from mha2mla.modeling.absorbed import write_absorbed
@@ -53,39 +52,6 @@ class ConversionResult:
     out: Path | None
     plan: ConversionPlan
     report: dict
-
-
-def source_shapes(plan: ConversionPlan) -> dict[str, tuple[int, ...]]:
-    """The shape config.json implies for every source tensor we read (by the family's weight key)."""
-    s = plan.shape
-    D, q_rows, kv_rows, vocab, inner = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.vocab_size, s.intermediate_size
-    return {
-        "q_proj": (q_rows, D), "k_proj": (kv_rows, D), "v_proj": (kv_rows, D), "o_proj": (D, q_rows),
-        "q_proj.bias": (q_rows,), "k_proj.bias": (kv_rows,), "v_proj.bias": (kv_rows,), "o_proj.bias": (D,),
-        "input_layernorm": (D,), "post_attention_layernorm": (D,), "final_norm": (D,),
-        "gate_proj": (inner, D), "up_proj": (inner, D), "down_proj": (D, inner),
-        "embed_tokens": (vocab, D), "lm_head": (vocab, D),
-    }
-
-
-def _read(ckpt: LazyCheckpoint, family: Family, plan: ConversionPlan, key: str, layer: int | None = None, suffix: str = ""):
-    """One source tensor, its shape checked against config.json (a mismatch is one sentence)."""
-    return ckpt.get(family.weight(key, layer) + suffix, shape=source_shapes(plan)[key + (".bias" if suffix == ".bias" else "")])
-
-
-def _read_attention(ckpt: LazyCheckpoint, family: Family, layer: int, plan: ConversionPlan) -> SourceAttention:
-    def weight(key):
-        return _read(ckpt, family, plan, key, layer, ".weight")
-
-    def bias(key, projection):
-        present = plan.biases.get(projection) and ckpt.has(family.weight(key, layer) + ".bias")
-        return _read(ckpt, family, plan, key, layer, ".bias") if present else None
-
-    return SourceAttention(
-        q_weight=weight("q_proj"), k_weight=weight("k_proj"), v_weight=weight("v_proj"), o_weight=weight("o_proj"),
-        input_norm_weight=_read(ckpt, family, plan, "input_layernorm", layer),
-        q_bias=bias("q_proj", "q"), k_bias=bias("k_proj", "k"), v_bias=bias("v_proj", "v"), o_bias=bias("o_proj", "o"),
-    )
 
 
 def _command_line() -> str:
@@ -122,7 +88,7 @@ def convert(
     options = options or ConvertOptions()
     started = time.time()
     if statistics is not None:
-        require_provider(statistics)
+        require_provider(statistics, (methods or product_methods(options.profile, calibrated=True)).provider_steps)
     out = Path(out) if out is not None else None
     if out is not None and not dry_run:
         prepare_out(out, force, source)
@@ -147,14 +113,18 @@ def convert(
     return ConversionResult(out=out, plan=plan, report=report)
 
 
-def _convert_layer(ckpt, family: Family, plan: ConversionPlan, layer: int, provider: CalibrationProvider | None):
-    """One layer's attention: read, convert with this layer's statistics, refit, advance the calibration."""
-    source = _read_attention(ckpt, family, layer, plan)
-    converted = convert_attention(source, plan, provider.statistics(layer) if provider is not None else None)
+def _convert_layer(reader: SourceReader, plan: ConversionPlan, layer: int, provider: CalibrationProvider | None):
+    """One layer's attention: this layer's statistics, read, convert, refit, advance the calibration."""
+    stats = provider.statistics(layer) if provider is not None else None
+    source = reader.attention(layer, stats)
+    converted = convert_attention(source, plan, stats)
     if provider is not None:
         if plan.methods.refit:
-            converted.tensors, refit_report = provider.refit(layer, converted.tensors)
+            converted.tensors, refit_report = provider.refit(layer, converted.tensors, source)
             converted.report.update(refit_report)
+        if plan.methods.reconstruct:
+            converted.tensors, reconstruction = provider.reconstruct(layer, converted.tensors, source)
+            converted.report.update(reconstruction)
         provider.advance(layer, converted.tensors)  # the next layer's calibration input
     converted.tensors = pad_value_heads(converted.tensors, plan.shape.num_heads, plan.shape.head_dim, plan.v_head_dim)
     return source, converted
@@ -163,27 +133,25 @@ def _convert_layer(ckpt, family: Family, plan: ConversionPlan, layer: int, provi
 def _write_checkpoint(ckpt, family: Family, plan: ConversionPlan, folder: Path, provider, progress: bool) -> dict:
     dtype = plan.torch_dtype
     writer = ShardedWriter(folder, max_shard_bytes=plan.max_shard_size)
-    embed = _read(ckpt, family, plan, "embed_tokens")
-    writer.add("model.embed_tokens.weight", embed.to(dtype))
+    reader = SourceReader(ckpt, family, plan)
+    writer.add("model.embed_tokens.weight", reader.embed().to(dtype))
     kv_b_weights, layers, dropped = {}, [], set()
     description = "converting" + (" (calibrated)" if plan.calibrated else " (weight-only)")
     for layer in _progress(range(plan.shape.num_layers), plan.shape.num_layers, progress, description):
-        source, converted = _convert_layer(ckpt, family, plan, layer, provider)
+        source, converted = _convert_layer(reader, plan, layer, provider)
         prefix = f"model.layers.{layer}"
         for name, tensor in converted.tensors.items():
             writer.add(f"{prefix}.self_attn.{name}", tensor)
         kv_b_weights[f"{prefix}.self_attn.kv_b_proj.weight"] = converted.tensors["kv_b_proj.weight"]
         writer.add(f"{prefix}.input_layernorm.weight", source.input_norm_weight.to(dtype))
-        writer.add(f"{prefix}.post_attention_layernorm.weight", _read(ckpt, family, plan, "post_attention_layernorm", layer).to(dtype))
-        for key in ("gate_proj", "up_proj", "down_proj"):
-            writer.add(f"{prefix}.mlp.{key}.weight", _read(ckpt, family, plan, key, layer).to(dtype))
+        writer.add(f"{prefix}.post_attention_layernorm.weight", reader.tensor("post_attention_layernorm", layer).to(dtype))
+        for key, tensor in reader.mlp(layer).items():
+            writer.add(f"{prefix}.mlp.{key}.weight", tensor.to(dtype))
         layers.append({"layer": layer, **converted.report})
         dropped.update(converted.dropped_biases)
-    writer.add("model.norm.weight", _read(ckpt, family, plan, "final_norm").to(dtype))
-    if not ckpt.config.get("tie_word_embeddings", False):
-        writer.add("lm_head.weight", _read(ckpt, family, plan, "lm_head").to(dtype))
-    elif plan.untie_embeddings:
-        writer.add("lm_head.weight", embed.to(dtype).clone())
+    writer.add("model.norm.weight", reader.tensor("final_norm").to(dtype))
+    if plan.untie_embeddings or not ckpt.config.get("tie_word_embeddings", False):
+        writer.add("lm_head.weight", reader.lm_head().to(dtype))
     writer.finish()
     _write_metadata(ckpt, plan, folder, kv_b_weights)
     if dropped:

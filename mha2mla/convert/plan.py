@@ -5,6 +5,7 @@ read. Nothing downstream re-decides."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -32,9 +33,17 @@ class SourceShape:
     rope_theta: float
     vocab_size: int
     intermediate_size: int
+    rotary_dim: int = 0  # R: the dims of a head that rotate (d, or d × partial_rotary_factor); 0 means d
+    attention_scale: float = 0.0  # the source's softmax scale (d^-0.5 unless the family sets it); 0 means d^-0.5
+    rope_layers: tuple[bool, ...] = ()  # per layer: whether it applies rope (empty: every layer)
+    embedding_scale: float = 1.0  # the family's multipliers, folded into the weights (docs/convert.md)
+    residual_scale: float = 1.0
+    logits_scale: float = 1.0  # logits are divided by it
+    rope_scaling: str = "default"  # the source's rope_type
+    rotation_gain: float = 1.0  # what the rope scaling multiplies rotated q·k terms by (longrope's attention factor²)
 
     @classmethod
-    def from_config(cls, config: dict) -> SourceShape:
+    def from_config(cls, config: dict, family: Family | None = None) -> SourceShape:
         missing = [key for key in REQUIRED_CONFIG_KEYS if config.get(key) is None]
         if missing:
             raise UserError(f"the source config.json lacks {', '.join(missing)}; it is incomplete or not a causal LM config.")
@@ -42,9 +51,15 @@ class SourceShape:
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         rope = config.get("rope_parameters") or {}
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1.0):
-            raise UserError("sources with partial rotary embeddings are not supported yet.")
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or rotary_dim < 2:
+            raise UserError(f"partial_rotary_factor {partial} leaves {rotary_dim} rotating dims per head; RoPE needs an even number.")
+        rope_layers = ()
+        if family is not None and family.rope_layers_key and config.get(family.rope_layers_key) is not None:
+            rope_layers = tuple(bool(flag) for flag in config[family.rope_layers_key])
+        scale = (lambda kind: family.scale(kind, config)) if family is not None else (lambda kind: 1.0)
+        attention_multiplier = family.scale("attention", config) if family is not None and "attention" in family.scales else 0.0
         return cls(
             hidden_size=config["hidden_size"],
             num_heads=num_heads,
@@ -54,7 +69,26 @@ class SourceShape:
             rope_theta=float(theta),
             vocab_size=config["vocab_size"],
             intermediate_size=config["intermediate_size"],
+            rotary_dim=rotary_dim,
+            attention_scale=attention_multiplier,
+            rope_layers=rope_layers,
+            embedding_scale=scale("embedding"),
+            residual_scale=scale("residual"),
+            logits_scale=scale("logits"),
+            rope_scaling=rope.get("rope_type", rope.get("type")) or "default",
+            rotation_gain=_attention_factor(rope, config) ** 2,
         )
+
+    @property
+    def rotating_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
 
     @property
     def kv_values_per_token_per_layer(self) -> int:
@@ -66,9 +100,21 @@ class SourceShape:
         return min(self.hidden_size, self.kv_values_per_token_per_layer)
 
 
-def default_rope_dim(total_values: int, head_dim: int) -> int:
-    """About a quarter of the cache for the rope key, in steps of 8, at most the head dim."""
-    return max(2, min(head_dim, 8 * round(total_values / 32)))
+def _attention_factor(rope: dict, config: dict) -> float:
+    """longrope scales cos and sin by an attention factor (so every rotated q·k term by its square); the
+    other scalings the conversion meets (llama3, linear) scale frequencies only."""
+    if rope.get("rope_type", rope.get("type")) != "longrope":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    factor = rope.get("factor") or (config.get("max_position_embeddings", original) / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def default_rope_dim(total_values: int, rotating_dims: int) -> int:
+    """About a quarter of the cache for the rope key, in steps of 8, at most the dims that rotate."""
+    return max(2, min(rotating_dims, 8 * round(total_values / 32)))
 
 
 @dataclass(frozen=True)
@@ -105,6 +151,11 @@ class ConversionPlan:
     @property
     def extra_channels(self) -> int:
         return self.kv_lora_rank - self.latent_rank
+
+    @property
+    def keeps_rope_scaling(self) -> bool:
+        """The exact profile writes the source's rope scaling into the target config (on the kept pairs)."""
+        return self.profile == "exact" and self.shape.rope_scaling != "default"
 
     @property
     def calibrated(self) -> bool:
@@ -176,7 +227,7 @@ def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int, rul
         chosen = engine_shape(rules, shape.head_dim, shape.kv_values_per_token_per_layer,
                               shape.max_latent_rank + extra_channels, budget=options.kv_budget,
                               kv_lora_rank=options.kv_lora_rank, rope_dim=options.rope_dim,
-                              default_rope_dim=default_rope_dim(total, shape.head_dim))
+                              default_rope_dim=default_rope_dim(total, shape.rotating_dims), rotating_dims=shape.rotating_dims)
         if chosen.note:
             warnings.append(chosen.note)
         if chosen.kv_lora_rank - extra_channels < 1:
@@ -187,9 +238,9 @@ def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int, rul
     else:
         budget = options.kv_budget if options.kv_budget is not None else 0.25
         total = round(budget * shape.kv_values_per_token_per_layer)
-        rope_dim = default_rope_dim(total, shape.head_dim)
+        rope_dim = default_rope_dim(total, shape.rotating_dims)
         kv_lora_rank = total - rope_dim
-    validate_rope_dim(shape.head_dim, rope_dim)
+    validate_rope_dim(shape.rotating_dims, rope_dim)
     latent_rank = kv_lora_rank - extra_channels
     if options.kv_lora_rank is not None and latent_rank > shape.max_latent_rank:
         raise UserError(
@@ -210,6 +261,9 @@ def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int, rul
 
 def _source_warnings(config: dict, family: Family, exact: bool) -> list[str]:
     warnings = []
+    if family.qk_norm:
+        warnings.append("the per-head q/k RMSNorm has no place in the DeepSeek format: it is replaced by its best linear "
+                        "stand-in, so this conversion is approximate even at full capacity.")
     rope = config.get("rope_parameters") or {}
     if not exact and rope.get("rope_type", "default") not in ("default", None):
         warnings.append(
@@ -227,7 +281,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
     """Resolve every choice once. ``methods`` overrides the product's method set (benchmarks only);
     ``external_statistics``: the caller supplies the calibration provider (it makes the plan calibrated);
     ``source_format``: ``gguf`` sources (quantised or half precision) default to a bfloat16 output."""
-    shape = SourceShape.from_config(config)
+    shape = SourceShape.from_config(config, family)
     if shape.num_heads % shape.num_kv_heads:
         raise UserError(f"num_attention_heads {shape.num_heads} is not a multiple of num_key_value_heads {shape.num_kv_heads}.")
     if shape.head_dim % 2:
@@ -251,6 +305,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
         log.warning(message)
     biases = {p: family.has_bias(p, config) for p in "qkvo"}
     untie = options.untie_embeddings if options.untie_embeddings is not None else not exact
+    untie = untie or shape.embedding_scale != 1.0 or shape.logits_scale != 1.0  # tied weights would carry one scale
     calibration = None
     if methods.needs_statistics and not external_statistics:
         calibration = CalibrationSettings(options.calib, options.calib_samples, options.calib_seq_len, options.calib_device)
@@ -261,8 +316,8 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
         shape=shape,
         rope_dim=rope_dim,
         v_head_dim=v_head_dim,
-        rope_pairs=tuple(kept_pairs(shape.head_dim, rope_dim)),
-        target_rope_theta=target_rope_theta(shape.rope_theta, shape.head_dim, rope_dim),
+        rope_pairs=tuple(kept_pairs(shape.rotating_dims, rope_dim)),
+        target_rope_theta=target_rope_theta(shape.rope_theta, shape.rotating_dims, rope_dim),
         latent_rank=kv_lora_rank - methods.extra_channels,
         kv_lora_rank=kv_lora_rank,
         dtype=_output_dtype(config, options, source_format, rules),

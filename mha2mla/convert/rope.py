@@ -1,10 +1,11 @@
 """Step 1 of the conversion (docs/design.md §3.1): split RoPE into one shared, decoupled rope key.
 
-Source layout (Hugging Face "half-split"): in a head of dimension d, rotation pair i is the dims
-(i, i + d/2), rotated at frequency base^(-2i/d). The target has d_r/2 pairs on ONE rope key shared
-by every query head. The kept pairs are the d_r/2 fastest (pairs 0 … d_r/2 − 1), which map onto
-plain rope exactly with base' = base^(d_r/d) (keeping every s-th pair instead measured far worse,
-docs/calibration.md, and was removed).
+Source layout (Hugging Face "half-split"): in a head of dimension d whose first R dims rotate (R = d,
+or d × partial_rotary_factor), rotation pair i is the dims (i, i + R/2), rotated at frequency
+base^(-2i/R); dims R … d never rotate (already NoPE). The target has d_r/2 pairs on ONE rope key
+shared by every query head. The kept pairs are the d_r/2 fastest (pairs 0 … d_r/2 − 1), which map
+onto plain rope exactly with base' = base^(d_r/R) (keeping every s-th pair instead measured far
+worse, docs/calibration.md, and was removed).
 
 For each kept source pair i the G KV heads' 2-D key components are mixed by an orthogonal G×G
 matrix U (the same U on both components of the pair, so it commutes with the rotation). Mixed
@@ -20,33 +21,34 @@ import torch
 from mha2mla import UserError
 
 
-def validate_rope_dim(head_dim: int, rope_dim: int) -> None:
-    if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
-        raise UserError(f"--rope-dim must be an even number between 2 and the head dim {head_dim}, not {rope_dim}.")
+def validate_rope_dim(rotary_dim: int, rope_dim: int) -> None:
+    if rope_dim <= 0 or rope_dim % 2 or rope_dim > rotary_dim:
+        raise UserError(f"--rope-dim must be an even number between 2 and the {rotary_dim} dims of a head that rotate, "
+                        f"not {rope_dim}.")
 
 
-def kept_pairs(head_dim: int, rope_dim: int) -> list[int]:
+def kept_pairs(rotary_dim: int, rope_dim: int) -> list[int]:
     """Source pair indices kept as rope, in target order (target pair j <- source pair j)."""
-    validate_rope_dim(head_dim, rope_dim)
+    validate_rope_dim(rotary_dim, rope_dim)
     return list(range(rope_dim // 2))
 
 
-def target_rope_theta(base: float, head_dim: int, rope_dim: int) -> float:
-    """base' such that base'^(-2j/d_r) equals the source frequency base^(-2j/d) of kept pair j."""
-    return float(base) ** (rope_dim / head_dim)
+def target_rope_theta(base: float, rotary_dim: int, rope_dim: int) -> float:
+    """base' such that base'^(-2j/d_r) equals the source frequency base^(-2j/R) of kept pair j."""
+    return float(base) ** (rope_dim / rotary_dim)
 
 
-def pair_rows(head_dim: int, pair: int) -> tuple[int, int]:
+def pair_rows(rotary_dim: int, pair: int) -> tuple[int, int]:
     """Rows (within one head) of the two components of rotation pair ``pair`` in the half-split layout."""
-    return pair, pair + head_dim // 2
+    return pair, pair + rotary_dim // 2
 
 
-def interleaved_order(pairs: list[int], head_dim: int) -> list[int]:
+def interleaved_order(pairs: list[int], rotary_dim: int) -> list[int]:
     """Source rows of one head, ordered for the target's interleaved (GPT-J) rope layout:
     target rows (2j, 2j+1) hold the two components of kept pair j."""
     rows = []
     for pair in pairs:
-        rows.extend(pair_rows(head_dim, pair))
+        rows.extend(pair_rows(rotary_dim, pair))
     return rows
 
 
@@ -69,6 +71,7 @@ def head_mixing(
     head_dim: int,
     input_covariance: torch.Tensor | None = None,
     input_mean: torch.Tensor | None = None,
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
     """Orthogonal mixing matrices U, one per kept pair: ``[P, G, G]``, rows sorted by energy.
 
@@ -81,7 +84,7 @@ def head_mixing(
     mixings = []
     for pair in pairs:
         moment = torch.zeros(num_groups, num_groups, dtype=k_weight.dtype)
-        for row in pair_rows(head_dim, pair):
+        for row in pair_rows(rotary_dim or head_dim, pair):
             w = k_heads[:, row, :]  # (G, D): this component of every KV head
             b = None if b_heads is None else b_heads[:, row]
             moment = moment + second_moment(w, b, input_covariance, input_mean)
@@ -100,10 +103,11 @@ def rope_coefficients(
     head_dim: int,
     input_covariance: torch.Tensor | None = None,
     input_mean: torch.Tensor | None = None,
+    rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per kept pair p: the rope key is ``k_rope = Σ_g b[p, g] k_g`` and query head h (group g) reads it
     with coefficient ``a[p, g]``; ``k_g - a[p, g] k_rope`` is left to the NoPE part. Returns ``(b, a)``,
     each ``[P, G]``: the orthogonal mixing of :func:`head_mixing` (a = b = U[p, 0]). For G = 1 both
     are 1 (exact)."""
-    mixing = head_mixing(k_weight, k_bias, pairs, head_dim, input_covariance, input_mean)
+    mixing = head_mixing(k_weight, k_bias, pairs, head_dim, input_covariance, input_mean, rotary_dim)
     return mixing[:, 0].clone(), mixing[:, 0].clone()

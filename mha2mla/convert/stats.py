@@ -1,10 +1,11 @@
 """What calibration hands the conversion: one layer's activation statistics, and the interface of
 the object that produces them (docs/calibration.md).
 
-The pipeline drives a :class:`CalibrationProvider` through three named steps per layer, in order:
-``statistics(i)`` before layer i is converted, ``refit(i, tensors)`` on the converted layer (when the
-plan asks for it) and ``advance(i, tensors)`` to push the calibration tokens through layer i. A
-provider that lacks a step is refused before any work starts (``require_provider``).
+The pipeline drives a :class:`CalibrationProvider` through named steps per layer, in order:
+``statistics(i)`` before layer i is converted, ``refit(i, tensors, source)`` and
+``reconstruct(i, tensors, source)`` on the converted layer (when the plan asks for them) and
+``advance(i, tensors)`` to push the calibration tokens through layer i. A provider that lacks a step
+the plan needs is refused before any work starts (``require_provider``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from mha2mla.convert.layer import SourceAttention
 
 
 @dataclass
@@ -38,19 +41,23 @@ class CalibrationProvider(Protocol):
     def statistics(self, layer: int) -> LayerStatistics:
         """Statistics of layer ``layer``'s attention input; layers are asked for in order."""
 
-    def refit(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-        """The converted layer's read-out refitted towards the source; returns new tensors and a report."""
+    def refit(self, layer: int, tensors: dict[str, torch.Tensor], source: SourceAttention) -> tuple[dict[str, torch.Tensor], dict]:
+        """The converted layer's read-out refitted towards the source layer ``source`` (canonical weights);
+        returns new tensors and a report."""
+
+    def reconstruct(self, layer: int, tensors: dict[str, torch.Tensor], source: SourceAttention) -> tuple[dict[str, torch.Tensor], dict]:
+        """The converted layer fitted by gradient descent towards the source layer; new tensors and a report."""
 
     def advance(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         """Push the calibration tokens through layer ``layer`` (its converted attention when sequential)."""
 
 
-def require_provider(provider: object) -> CalibrationProvider:
-    """``provider`` itself, or a TypeError naming the steps it lacks (nothing is silently skipped)."""
-    missing = [step for step in ("statistics", "refit", "advance") if not callable(getattr(provider, step, None))]
+def require_provider(provider: object, steps: tuple[str, ...] = ("statistics", "refit", "advance")) -> CalibrationProvider:
+    """``provider`` itself, or a TypeError naming the ``steps`` it lacks (nothing is silently skipped)."""
+    missing = [step for step in steps if not callable(getattr(provider, step, None))]
     if missing:
         raise TypeError(
-            f"a calibration provider needs the methods statistics, refit and advance; {type(provider).__name__} "
+            f"a calibration provider needs the methods {', '.join(steps)}; {type(provider).__name__} "
             f"lacks {', '.join(missing)} (see mha2mla.convert.stats.CalibrationProvider)."
         )
     return provider

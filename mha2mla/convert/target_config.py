@@ -18,9 +18,13 @@ def deepseek_config(plan: ConversionPlan, source_config: dict, padded: bool = Tr
     s = plan.shape
     rope = {"rope_type": "default", "rope_theta": plan.target_rope_theta}
     source_rope = source_config.get("rope_parameters") or {}
-    if plan.profile == "exact" and source_rope.get("rope_type", "default") != "default":
-        # scaling that depends only on frequency (llama3, linear, ...) maps onto the kept pairs exactly
-        rope = {**source_rope, "rope_theta": plan.target_rope_theta}
+    if plan.keeps_rope_scaling:
+        # per-frequency scaling (llama3, linear, longrope's factor lists) maps onto the kept pairs exactly; the
+        # target's rope head rotates in full (no partial factor), and its lists hold the kept pairs only
+        pairs = len(plan.rope_pairs)
+        rope = {key: (value[:pairs] if isinstance(value, list) else value) for key, value in source_rope.items()
+                if key not in ("partial_rotary_factor", "type")}
+        rope["rope_theta"] = plan.target_rope_theta
     tie = bool(source_config.get("tie_word_embeddings", False)) and not plan.untie_embeddings
     config = DeepseekV3Config(
         vocab_size=s.vocab_size,
