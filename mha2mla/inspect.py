@@ -73,7 +73,7 @@ def inspect_model(model: str) -> dict:
     if config.get("model_type") == "deepseek_v3":
         return _mla_info(config)
     family = family_for_config(config)
-    shape = SourceShape.from_config(config)
+    shape = SourceShape.from_config(config, family)
     source_format = "gguf" if str(model).lower().endswith(".gguf") else "safetensors"
     budgets, dtype = _budgets(config, family, source_format)
     return {
@@ -92,5 +92,7 @@ def inspect_model(model: str) -> dict:
         "kv_bytes_per_token": shape.kv_values_per_token_per_layer * shape.num_layers * DTYPES[dtype].itemsize,
         "kv_dtype": _dtype_label(dtype) + ", the dtype `mha2mla convert` writes by default",
         "max_latent_rank": shape.max_latent_rank,
+        "exact_at_full_capacity": family.exact,
+        "approximated": family.approximated or "nothing beyond the rope and rank cuts",
         "budgets": budgets,
     }
