@@ -1,4 +1,4 @@
-"""The portable-profile checker (DESIGN §2): config + tensor names only, no weights loaded.
+"""The portable-profile checker (docs/design.md §2): config + tensor names only, no weights loaded.
 
 vLLM's and SGLang's DeepSeek attention builds q_proj / kv_a_proj_with_mqa / o_proj without
 biases, accepts only a silu MLP, applies rope in the interleaved (GPT-J) layout, and overwrites
