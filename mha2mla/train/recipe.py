@@ -32,7 +32,7 @@ from mha2mla.evaluation.perplexity import batch_nll
 from mha2mla.train import checkpoint as ckpt
 from mha2mla.train.config import RecoverConfig, flat_settings
 from mha2mla.train.data import PackedSequences, RowOrder, build_packed, target_mask
-from mha2mla.train.export import RECOVER_CONFIG, write_recovered
+from mha2mla.train.export import RECOVER_CONFIG, check_out_folder, write_recovered
 from mha2mla.train.losses import distillation_loss, lm_loss
 from mha2mla.train.model import (
     check_teacher_matches,
@@ -180,6 +180,7 @@ class RecoveryRecipe:
         read_model_config(config.model)
         if config.teacher is not None:
             check_teacher_path(config.teacher)
+        check_out_folder(config)  # refused before any training, not at export
         self.resume_from = resume_point(config, self.resume)
         if self.resume_from is not None:
             check_same_run(config, config.out_path)
