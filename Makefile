@@ -14,7 +14,7 @@ TORCH_PIP_ARGS ?=
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup assets demo test test-slow bench lint clean
+.PHONY: setup assets demo test test-slow test-engines bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,14 @@ test: setup
 
 test-slow: assets
 	$(PY) -m pytest -q -m slow
+
+# A real llama.cpp (llama-cpp-python from PyPI; no Linux wheel, so pip builds the sdist once: ~27 min on 2 cores)
+# runs the exported SmolLM2 conversion (docs/engines.md).
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF
+test-engines: assets
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
+	$(PY) -m pytest -q -m slow tests/test_engines_llamacpp.py
 
 bench: assets
 	$(PY) benchmarks/quality.py
