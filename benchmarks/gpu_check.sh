@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # bash benchmarks/gpu_check.sh [OUT_DIR]
-# One prepared GPU check for the MLA kernels (DESIGN §5), < 5 minutes on one H200:
+# One prepared GPU check for the MLA kernels (DESIGN §5) and FSDP recovery, < 8 minutes on one H200:
 #   1. the kernel tests natively on CUDA (gpu-marked tests and bf16 included),
-#   2. benchmarks/kernels_bench.py: prefill fwd/bwd TFLOP/s vs torch SDPA, decode GB/s vs HBM (JSON).
+#   2. benchmarks/kernels_bench.py: prefill fwd/bwd TFLOP/s vs torch SDPA, decode GB/s vs HBM (JSON),
+#   3. `recover` under FSDP2 on CUDA (tests/test_recover_fsdp.py, gpu-marked: NCCL, one process per GPU, at most
+#      two; the loss curve against one process, the checkpoint folder, SIGKILL + --resume auto; docs/recover.md).
 # Results land in OUT_DIR (default: $OUT if set, else ./gpu_check_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,5 +35,8 @@ tests_rc=${PIPESTATUS[0]}
 timeout 130 "$PY" benchmarks/kernels_bench.py --json "$OUT_DIR/kernels_bench.json" 2>&1 | tee "$OUT_DIR/kernels_bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
-echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"out_dir\": \"$OUT_DIR\"}"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m "gpu" tests/test_recover_fsdp.py 2>&1 | tee "$OUT_DIR/fsdp_tests.txt"
+fsdp_rc=${PIPESTATUS[0]}
+
+echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"fsdp_rc\": $fsdp_rc, \"out_dir\": \"$OUT_DIR\"}"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fsdp_rc" -eq 0 ]

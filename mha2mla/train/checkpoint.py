@@ -92,8 +92,9 @@ def save_checkpoint(
     torch.save(scheduler_state, partial / SCHEDULER_FILE)
     for rank, state in enumerate(rng_states):
         torch.save(state, partial / f"rng_state_{rank}.pt")
-    if adapter_model is not None:  # the peft adapter, loadable on its own with PeftModel.from_pretrained
-        adapter_model.save_pretrained(str(partial / "adapter"))
+    if adapter_model is not None:  # the peft adapter, loadable on its own with PeftModel.from_pretrained; its
+        # tensors are the ones given (gathered from every process under FSDP), not the model's own (maybe shards)
+        adapter_model.save_pretrained(str(partial / "adapter"), state_dict=trainable)
     (partial / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
     if final.exists():
         shutil.rmtree(final)

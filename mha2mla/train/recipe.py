@@ -7,7 +7,8 @@ optimizer step: forward, LM loss mixed with distillation, backward, clip, AdamW,
 ``cleanup()`` lets go of everything. ``setup_training(model, teacher)`` is the part of ``setup`` that turns any
 model into something ``train_step`` can train (benchmarks/recover_speed.py times the source model with it).
 
-One process (CPU or GPU) or several through ``accelerate launch`` / ``torchrun`` (DDP). Data is sharded by hand:
+One process (CPU or GPU) or several through ``accelerate launch`` / ``torchrun`` (DDP or FSDP2: distributed.py). Data
+is sharded by hand (under FSDP as under DDP):
 optimizer step ``s`` reads global rows ``[s*R, (s+1)*R)`` of a seeded order (R = accumulation x processes x
 batch), micro-batch ``m`` of process ``p`` taking rows ``(m*P + p)*B ..``; so the data position is one integer
 and a resumed run reads exactly the rows it would have read."""
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DistributedType
+from accelerate import Accelerator
 from accelerate.utils import gather_object, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 
@@ -32,6 +33,13 @@ from mha2mla.evaluation.perplexity import batch_nll
 from mha2mla.train import checkpoint as ckpt
 from mha2mla.train.config import RecoverConfig, flat_settings
 from mha2mla.train.data import PackedSequences, RowOrder, build_packed, target_mask
+from mha2mla.train.distributed import (
+    gathered_optimizer_state,
+    gathered_trainable,
+    is_sharded,
+    load_optimizer_state,
+    start_accelerator,
+)
 from mha2mla.train.export import RECOVER_CONFIG, check_out_folder, write_recovered
 from mha2mla.train.losses import distillation_loss, lm_loss
 from mha2mla.train.model import (
@@ -44,13 +52,11 @@ from mha2mla.train.model import (
     load_trainable_state,
     make_trainable,
     read_model_config,
-    trainable_state,
 )
 
 log = logging.getLogger(__name__)
 
 TRAIN_LOG = "train_log.jsonl"
-SUPPORTED_DISTRIBUTION = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 
 
 def lr_multiplier(config: RecoverConfig, total_steps: int):
@@ -130,16 +136,21 @@ def prepare_data(config: RecoverConfig, tokenizer, rows_needed: int) -> tuple[Pa
 @torch.no_grad()
 def packed_perplexity(model, rows: PackedSequences, batch_size: int, accelerator: Accelerator) -> float:
     """Perplexity of ``model`` over packed ``rows`` (segment starts are not targets), scored with the project's
-    ``batch_nll``: each process takes every P-th row and the sums are reduced across processes."""
+    ``batch_nll``: each process takes every P-th row and the sums are reduced across processes. Under FSDP a
+    forward gathers weights from every process, so all run the same number of batches: one whose rows have run out
+    scores row 0 again and leaves it out of the sums."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     indices = torch.arange(accelerator.process_index, len(rows), accelerator.num_processes)
-    for start in range(0, len(indices), batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in rows.rows(indices[start : start + batch_size]).items()}
+    busiest = -(-len(rows) // accelerator.num_processes) if is_sharded(accelerator) else len(indices)
+    for start in range(0, busiest, batch_size):
+        chosen = indices[start : start + batch_size]
+        batch = {k: v.to(accelerator.device) for k, v in rows.rows(chosen if len(chosen) else indices.new_zeros(1)).items()}
         with accelerator.autocast():
             nll, count = batch_nll(model, batch, target_mask(batch["position_ids"]))
-        total += torch.tensor([nll, count], dtype=torch.float64, device=accelerator.device)
+        if len(chosen):
+            total += torch.tensor([nll, count], dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         total = accelerator.reduce(total, "sum")
     model.train(was_training)
@@ -165,6 +176,7 @@ class RecoveryRecipe:
         self.world, self.rank, self.is_main = 1, 0, True
         self.model = self.teacher = self.optimizer = self.scheduler = self.tokenizer = None
         self.params: list[torch.nn.Parameter] = []
+        self.param_names: list[str] = []  # the trainable parameters' names, in the optimizer's order
         self.parameter_counts = (0, 0)  # trainable, total
         self.train_rows: PackedSequences | None = None
         self.held_out: PackedSequences | None = None
@@ -200,16 +212,12 @@ class RecoveryRecipe:
         self._open_run_folder()
 
     def start_accelerator(self) -> Accelerator:
-        """accelerate for one device or DDP (``mixed_precision`` auto: bf16 on a GPU, none on CPU)."""
+        """accelerate for one device, DDP or FSDP2 (distributed.py; ``mixed_precision`` auto: bf16 on a GPU, none
+        on CPU)."""
         mixed = self.config.mixed_precision
         if mixed == "auto":
             mixed = "bf16" if torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU") else "no"
-        accelerator = Accelerator(mixed_precision=mixed)
-        if accelerator.distributed_type not in SUPPORTED_DISTRIBUTION:
-            raise UserError(
-                f"recover supports one device or DDP (accelerate multi-GPU/CPU), not {accelerator.distributed_type.value}; "
-                "use recipes/accelerate/multi_gpu.yaml."
-            )
+        accelerator = start_accelerator(mixed)
         self.accelerator, self.mixed_precision = accelerator, mixed
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.is_main = accelerator.is_main_process
@@ -225,21 +233,23 @@ class RecoveryRecipe:
             teacher.to(accelerator.device, dtype=torch.bfloat16 if self.mixed_precision == "bf16" else torch.float32)
         self.teacher = teacher
         self.parameter_counts = count_parameters(model)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.param_names = [name for name, _ in trainable]
+        optimizer = torch.optim.AdamW([p for _, p in trainable], lr=config.learning_rate, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config, config.total_steps(self.world)))
-        restored_rng = None
+        saved = None
         if self.resume_from is not None:
             saved = ckpt.load_checkpoint(self.resume_from, self.rank)
-            load_trainable_state(model, saved["trainable"])
-            optimizer.load_state_dict(saved["optimizer"])
+            load_trainable_state(model, saved["trainable"])  # before sharding: every process holds the whole model
             self.scheduler.load_state_dict(saved["scheduler"])
             self.state.update(saved["state"])
-            restored_rng = saved["rng"]
             log.info("resuming from %s (step %d)", self.resume_from, self.state["step"])
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        if restored_rng is not None:
-            ckpt.set_rng_state(restored_rng)
+        # FSDP replaces the parameters with sharded ones: clip what the prepared model trains
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if saved is not None:  # after prepare, which under FSDP swaps the optimizer's parameters for the shards
+            load_optimizer_state(self.model, self.optimizer.optimizer, saved["optimizer"], self.param_names, accelerator)
+            ckpt.set_rng_state(saved["rng"])
 
     def _open_run_folder(self) -> None:
         """OUT gets the run's settings and a metrics log (what a killed run logged after its last checkpoint is
@@ -325,15 +335,16 @@ class RecoveryRecipe:
 
     def save_checkpoint(self, step: int) -> None:
         """``OUT/step-NNNNNN/``: trainable weights (+ the peft adapter), optimizer, scheduler, the trainer state and
-        every process's RNG state; written by the main process."""
-        config = self.config
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        every process's RNG state; gathered from every process under FSDP, written by the main process."""
+        config, accelerator = self.config, self.accelerator
+        trainable = gathered_trainable(self.model, accelerator)
+        optimizer_state = gathered_optimizer_state(self.model, self.optimizer.optimizer, self.param_names, accelerator)
         rng_states = gather_object([ckpt.rng_state()]) if self.world > 1 else [ckpt.rng_state()]
         if self.is_main:
             ckpt.save_checkpoint(
-                config.out_path, step, trainable_state(unwrapped), self.optimizer.state_dict(),
-                self.scheduler.state_dict(), dict(self.state), rng_states,
-                adapter_model=None if config.full_attention else unwrapped, keep=config.keep_checkpoints,
+                config.out_path, step, trainable, optimizer_state, self.scheduler.state_dict(), dict(self.state),
+                rng_states, adapter_model=None if config.full_attention else accelerator.unwrap_model(self.model),
+                keep=config.keep_checkpoints,
             )
         self.accelerator.wait_for_everyone()
 
@@ -417,11 +428,27 @@ class RecoveryRecipe:
         """Merge the adapter and write the native DeepSeek-V3 checkpoint to OUT (main process; the others wait)."""
         accelerator, config = self.accelerator, self.config
         accelerator.wait_for_everyone()
+        model = self.whole_model() if is_sharded(accelerator) else accelerator.unwrap_model(self.model)
         if self.is_main:
             settings = config.model_dump(mode="json")
-            write_recovered(accelerator.unwrap_model(self.model), self.tokenizer, Path(config.model), config.out_path,
-                            settings, report)
+            write_recovered(model, self.tokenizer, Path(config.model), config.out_path, settings, report)
         accelerator.wait_for_everyone()
+
+    def whole_model(self):
+        """Under FSDP: the trained model in one piece on the main process (None on the others). The trainable
+        tensors are gathered, the sharded model and optimizer let go, and the main process loads the input model
+        again with the same trainable parameters and the gathered values (the frozen weights never changed)."""
+        config = self.config
+        trainable = gathered_trainable(self.model, self.accelerator)
+        self.model = self.optimizer = None
+        self.params = []
+        self.accelerator.free_memory()
+        if not self.is_main:
+            return None
+        model = make_trainable(load_student(config.model, config.attn_implementation),
+                               None if config.full_attention else config.lora)
+        load_trainable_state(model, trainable)
+        return model
 
     def cleanup(self) -> None:
         """Close the progress bar and drop the models, optimizer and data (GPU memory is returned)."""
