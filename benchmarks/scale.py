@@ -303,11 +303,16 @@ def main(argv=None) -> int:
         for mode in args.modes:
             out = work / f"{name}-{args.layers}l-{mode}-out"
             watch, code, max_rss = run_conversion(convert_command(source, out, mode, args), args)
+            report = json.loads((out / "conversion_report.json").read_text()) if (out / "conversion_report.json").is_file() else {}
             for leftover in [out, *work.glob(f".{out.name}*")]:  # the output, or what a killed run staged
                 shutil.rmtree(leftover, ignore_errors=True)
             row = summarise(name, mode, args.layers, watch, code, max_rss)
             row.update(vocab=args.vocab, dtype=args.dtype, kv_budget=args.kv_budget, threads=threads,
                        calib_samples=args.calib_samples if mode == "calibrated" else None)
+            if report:  # the conversion's own figures: seconds per layer, GPU peak when calibrated on one
+                row["report_layer_seconds"] = [layer.get("seconds") for layer in report.get("layers", [])]
+                if "peak_gpu_gib" in report:
+                    row["peak_gpu_gib"] = report["peak_gpu_gib"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

@@ -99,20 +99,34 @@ def direct_attention_statistics(folder, tokens, layer, query_stride, key_stride,
     return values, keys, histogram / histogram.sum(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("layer", [0, 1])
-def test_attention_statistics_equal_a_direct_computation(sources, layer):
+@pytest.mark.parametrize("name, layer", [("llama_gqa", 0), ("llama_gqa", 1), ("llama_mqa", 1)])
+def test_attention_statistics_equal_a_direct_computation(sources, name, layer, monkeypatch):
+    """Here the dense moments pass the (lowered) limit. GQA has 2·G·d = D: moments in input coordinates. MQA's
+    K/V rows span 32 of 64 dims: the moments are measured in the coordinates of an orthonormal basis of them."""
     from mha2mla.convert import calibration
 
+    monkeypatch.setattr(calibration, "DENSE_MOMENTS_LIMIT", 0)
     tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(5))
-    stats = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5).statistics(layer)
+    stats = provider(sources[name], tokens, sequential=False, kv_budget=0.5).statistics(layer)
     values, keys, histogram = direct_attention_statistics(
-        sources["llama_gqa"], tokens, layer, calibration.QUERY_STRIDE, calibration.KEY_STRIDE, calibration.KEY_DENSE,
+        sources[name], tokens, layer, calibration.QUERY_STRIDE, calibration.KEY_STRIDE, calibration.KEY_DENSE,
         calibration.KEY_WEIGHT_POWER)
-    assert stats.value_covariances.shape == (4, HIDDEN, HIDDEN)
+    basis = stats.moment_basis
+    if name == "llama_gqa":
+        assert basis is None
+    else:
+        weights = {k: v.double() for k, v in AutoModelForCausalLM.from_pretrained(sources[name]).state_dict().items()}
+        rows = torch.cat([weights[f"model.layers.{layer}.self_attn.{p}_proj.weight"] for p in "kv"])  # (32, D)
+        assert basis.shape == (32, HIDDEN)
+        torch.testing.assert_close(basis.double() @ basis.double().T, torch.eye(32, dtype=torch.float64), atol=1e-10, rtol=0)
+        torch.testing.assert_close(rows @ basis.double().T @ basis.double(), rows, atol=1e-10, rtol=0)  # spans the rows
+        values, keys = (basis.double() @ moment @ basis.double().T for moment in (values, keys))
+    side = HIDDEN if basis is None else basis.shape[0]
+    assert stats.value_covariances.shape == (4, side, side)
     torch.testing.assert_close(stats.value_covariances.double(), values, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.key_covariances.double(), keys, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.distance_histogram, histogram, rtol=1e-4, atol=1e-6)
-    config = json.loads((sources["llama_gqa"] / "config.json").read_text())
+    config = json.loads((sources[name] / "config.json").read_text())
     theta = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta", 10000.0))
     expected = theta ** (-torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
     torch.testing.assert_close(stats.pair_frequencies, expected, rtol=1e-6, atol=0)

@@ -58,6 +58,12 @@ def convert_command(
 
     result = convert(source, out, options, force=force, dry_run=dry_run, progress=progress)
     typer.echo(format_plan(result.plan))
+    if result.plan.calibration is not None:
+        from mha2mla.convert.memory import layer_memory
+
+        c = result.plan.calibration
+        typer.echo(f"calibration: {c.samples} x {c.seq_len} tokens; one layer's working set about "
+                   f"{sum(layer_memory(result.plan).values()) / 1024**3:.1f} GiB (docs/calibration.md, memory)")
     if not result.plan.calibrated:
         typer.echo("warning: weight-only conversion: expect much higher perplexity than the calibrated default "
                    "until `mha2mla recover` heals it (docs/benchmarks.md).", err=True)
@@ -68,7 +74,7 @@ def convert_command(
     mean_k = sum(layer["k_rel_error"] for layer in layers) / len(layers)
     mean_v = sum(layer["v_rel_error"] for layer in layers) / len(layers)
     typer.echo(f"mean relative reconstruction error: K {mean_k:.4f}, V {mean_v:.4f}")
-    typer.echo(f"wrote {out} in {result.report['elapsed_seconds']:.1f} s")
+    typer.echo(f"wrote {out} in {result.report['elapsed_seconds']:.1f} s (peak RSS {result.report['peak_rss_gib']:.2f} GiB)")
 
 
 def register(app: typer.Typer) -> None:

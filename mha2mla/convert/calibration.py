@@ -16,6 +16,7 @@ chosen device. Each layer's weights are read from the lazy checkpoint when it is
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -26,12 +27,17 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 from mha2mla import UserError
 from mha2mla.convert.calibration_data import calibration_documents, calibration_token_ids
 from mha2mla.convert.layer import SourceAttention
+from mha2mla.convert.lowrank import row_space_basis
+from mha2mla.convert.memory import calibration_batch, check_budget, host_buffer
 from mha2mla.convert.plan import ConversionPlan
 from mha2mla.convert.reconstruct import ReconstructionData, reconstruct
-from mha2mla.convert.refit import ReadOutMoments
+from mha2mla.convert.refit import OutputMoments, ValueMoments
+from mha2mla.convert.source import SourceReader
 from mha2mla.convert.stats import LayerStatistics
 from mha2mla.convert.target_config import deepseek_config_object
 from mha2mla.modeling.rmsnorm import rms_norm
+
+log = logging.getLogger(__name__)
 
 # tokens kept per layer (on top of the moments) for statistics that need per-token values
 INPUT_SAMPLE_TOKENS = 4096
@@ -41,6 +47,11 @@ KEY_STRIDE = 4
 KEY_DENSE = 16
 # keys are weighted by (attention they receive) ** KEY_WEIGHT_POWER (measured: 0.5 beats 0 and 1)
 KEY_WEIGHT_POWER = 0.5
+# per-head moments are measured in the K/V row space (m = 2·G·d coordinates) instead of all D inputs when
+# the dense ones, 2 · H · D² float32, would pass this size: it is exact for every step but the latent's own
+# refinement, which it confines to that row space — measured slightly worse on SmolLM2 at 31.25% (KJV
+# ×1.906 → ×1.907, Python docs ×2.268 → ×2.303), so small models keep the dense moments (docs/calibration.md, memory)
+DENSE_MOMENTS_LIMIT = 8 * 1024**3
 
 
 @dataclass
@@ -76,22 +87,29 @@ class LayerwiseCalibration:
     """The statistics provider (see the module docstring)."""
 
     def __init__(self, ckpt, family, plan: ConversionPlan, tokens: torch.Tensor, device: str | None = None,
-                 batch_size: int = 8):
+                 batch_size: int | None = None, on_disk: bool = False):
         self.ckpt, self.family, self.plan = ckpt, family, plan
         self.sequential = plan.methods.sequential
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.batch_size = batch_size
+        self.batch_size = batch_size or (calibration_batch(plan) if plan.calibration is not None else 8)
+        on_disk = on_disk and self.device.type == "cpu"  # hidden states file-backed (memory.py)
         self.modules = _modules(ckpt, plan)
+        self.reader = SourceReader(ckpt, family, plan)  # canonical K/V rows (fused tensors split)
         self.num_layers = plan.shape.num_layers
         embed = ckpt.get(family.weight("embed_tokens"))
         self.residual_scale = plan.shape.residual_scale  # folded into the converted o_proj and down_proj (source.py)
         # (N, L, D): the current layer's input hidden states
-        self.hidden = (embed[tokens] * plan.shape.embedding_scale).to(self.device)
+        N, L = tokens.shape
+        self.hidden = self._buffer((N, L, embed.shape[1]), on_disk)
+        for start in range(0, N, 8):
+            self.hidden[start : start + 8] = embed[tokens[start : start + 8]].float() * plan.shape.embedding_scale
         # the refit's targets come from the source model's own hidden states (sequential only): a
         # second set, pushed through the source layers only
-        self.source_hidden = self.hidden.clone() if (self.sequential and (plan.methods.refit or plan.methods.reconstruct)) else None
+        self.source_hidden = None
+        if self.sequential and (plan.methods.refit or plan.methods.reconstruct):
+            self.source_hidden = self._buffer(self.hidden.shape, on_disk)
+            self.source_hidden.copy_(self.hidden)
         self.layer = 0  # the hidden states are the input of this layer
-        N, L = tokens.shape
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
         # an explicit causal mask: eager attention (run for its probabilities) applies no other
         self.causal_mask = torch.full((L, L), float("-inf"), device=self.device).triu(1)[None, None]
@@ -99,6 +117,9 @@ class LayerwiseCalibration:
         self.source_rope = self.modules.source_rotary.to(self.device)(probe, positions)
         self.target_rope = self.modules.target_rotary.to(self.device)(probe, positions)
         self._layer_cache: tuple[int, torch.nn.Module] | None = None
+
+    def _buffer(self, shape, on_disk: bool) -> torch.Tensor:
+        return host_buffer(shape, on_disk) if on_disk else torch.empty(shape, device=self.device)
 
     # ---- one source layer, weights read lazily ------------------------------------------------
     def _source_layer(self, layer: int) -> torch.nn.Module:
@@ -146,8 +167,13 @@ class LayerwiseCalibration:
         index = torch.cat([torch.arange(0, flat.shape[0], sample_every)[:INPUT_SAMPLE_TOKENS],
                            torch.arange(0, flat.shape[0], length)]).unique().to(flat.device)
         sample = rms_norm(flat[index], norm_weight, eps, keep_float32=True)
-        value_covariances, key_covariances, histogram = self._attention_statistics(self._source_layer(layer))
+        H = self.modules.source_config.num_attention_heads
+        basis = None
+        if 2 * H * D * D * 4 > DENSE_MOMENTS_LIMIT:
+            basis = row_space_basis(self.reader.tensor("k_proj", layer, ".weight"), self.reader.tensor("v_proj", layer, ".weight"))
+        value_covariances, key_covariances, histogram = self._attention_statistics(self._source_layer(layer), basis)
         return LayerStatistics(
+            moment_basis=None if basis is None else basis.cpu(),
             input_covariance=(moment / count).cpu(), input_mean=(total / count).cpu(), num_tokens=count,
             input_sample=sample.cpu(), value_covariances=value_covariances.cpu(),
             key_covariances=key_covariances.cpu(), distance_histogram=histogram.cpu(),
@@ -155,12 +181,13 @@ class LayerwiseCalibration:
         )
 
     @torch.no_grad()
-    def _attention_statistics(self, source: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    def _attention_statistics(self, source: torch.nn.Module, basis: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """What the source attention does with this layer's tokens, per query head h:
         ``E[x̄ x̄ᵀ]`` for the attention-averaged inputs x̄_i = Σ_j p_hij x_j (what a value error is seen
         through), the key-side moment E_w[x xᵀ] with each token weighted by the attention it receives
         (Σ_i p_hij) ** KEY_WEIGHT_POWER, and the attention mass at each distance i - j. Queries are
-        taken at every QUERY_STRIDE-th position; keys at the first KEY_DENSE, then every KEY_STRIDE-th."""
+        taken at every QUERY_STRIDE-th position; keys at the first KEY_DENSE, then every KEY_STRIDE-th.
+        The moments are of ``basis`` x (m coordinates) when a basis of the K/V row space is given."""
         N, L, D = self.hidden.shape
         attention = source.self_attn
         H = self.modules.source_config.num_attention_heads
@@ -171,20 +198,23 @@ class LayerwiseCalibration:
         # KEY_STRIDE-th, each standing for KEY_STRIDE positions
         keys = torch.cat([torch.arange(min(KEY_DENSE, L)), torch.arange(KEY_DENSE, L, KEY_STRIDE)]).to(self.device)
         key_share = torch.where(keys < KEY_DENSE, 1.0, float(KEY_STRIDE)).to(self.device)
-        # per-head (H, D, D) moments in float32 (8 GB less than float64 per layer for Llama-3-8B); the
-        # products are float32 anyway, and the sums are over at most a few hundred thousand positions
-        covariances = torch.zeros(H, D, D, device=self.device)
-        key_covariances = torch.zeros(H, D, D, device=self.device)
+        # per-head (H, m, m) moments in float32: the products are float32 anyway, and the sums are over at
+        # most a few hundred thousand positions (docs/calibration.md, "memory")
+        project = None if basis is None else basis.float().to(self.device)  # (m, D)
+        m = D if project is None else project.shape[0]
+        covariances = torch.zeros(H, m, m, device=self.device)
+        key_covariances = torch.zeros(H, m, m, device=self.device)
         key_weight = torch.zeros(H, dtype=torch.float64, device=self.device)
         histogram = torch.zeros(H, L, dtype=torch.float64, device=self.device)
         with eager_attention(attention.config):  # the probabilities themselves
             for start in range(0, N, self.batch_size):
                 x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
                 probabilities = attention(x, position_embeddings=self.source_rope, attention_mask=mask)[1].float()
-                averaged = probabilities[:, :, ::QUERY_STRIDE] @ x[:, None]  # (b, H, L/s, D)
+                x = x if project is None else x @ project.T  # (b, L, m)
+                averaged = probabilities[:, :, ::QUERY_STRIDE] @ x[:, None]  # (b, H, L/s, m)
                 covariances += torch.einsum("bhnd,bhne->hde", averaged, averaged)
                 weight = probabilities.sum(2)[:, :, keys].clamp_min(0) ** KEY_WEIGHT_POWER * key_share  # (b, H, k)
-                weighted = weight.sqrt()[..., None] * x[:, None, keys]  # (b, H, k, D)
+                weighted = weight.sqrt()[..., None] * x[:, None, keys]  # (b, H, k, m)
                 key_covariances += torch.einsum("bhnd,bhne->hde", weighted, weighted)
                 key_weight += weight.sum((0, 2)).double()
                 histogram.scatter_add_(1, distance, probabilities.sum(0).reshape(H, -1).double())
@@ -194,20 +224,40 @@ class LayerwiseCalibration:
 
     @torch.no_grad()
     def refit(self, layer: int, tensors: dict[str, torch.Tensor], source_attention: SourceAttention) -> tuple[dict[str, torch.Tensor], dict]:
-        """The converted layer's value rows and o_proj refitted on what it computes (``refit.py``).
-        f always comes from the stream being calibrated; t from the source stream when there is one.
-        A full-capacity conversion, where f spans t exactly, keeps its maps. The source's values and
-        output projection come from ``source_attention`` (canonical: fused tensors split, multipliers
-        folded); its attention probabilities from the source layer itself."""
-        source = self._source_layer(layer)
+        """The converted layer's value rows and o_proj refitted on what it computes (``refit.py``), in two
+        passes: the value rows, then o_proj on the refitted heads. f always comes from the stream being
+        calibrated; t from the source stream when there is one. A full-capacity conversion, where f spans
+        t exactly, keeps its maps. The source's values and output projection come from
+        ``source_attention`` (canonical: fused tensors split, multipliers folded)."""
         target = self._target_attention(layer, tensors)
-        N, L, D = self.hidden.shape
-        config = self.modules.source_config
-        H, G, d, r = config.num_attention_heads, config.num_key_value_heads, target.v_head_dim, target.kv_lora_rank
-        moments = ReadOutMoments(H, d, r, D, self.device)
-        o_weight = source_attention.o_weight.float().to(self.device)  # (D, H*d), residual multiplier folded in
+        H, d, r = target.num_heads, target.v_head_dim, target.kv_lora_rank
+        value_moments = ValueMoments(H, d, r, self.device)
+        for fold, t, f, _ in self._readout_batches(layer, target, source_attention, with_output=False):
+            value_moments.add(fold, t, f)
+        values, report = value_moments.solve(tensors["kv_b_proj.weight"])
+        up = values.float().to(self.device)  # (H, d, r)
+        output_moments = OutputMoments(self.hidden.shape[-1], H * d, self.device)
+        for fold, _, f, y in self._readout_batches(layer, target, source_attention, with_output=True):
+            z = torch.einsum("hdr,bhlr->blhd", up, f)  # (b, L, H, d): the refitted heads' outputs
+            output_moments.add(fold, z.flatten(2), y)
+        o_weight, o_report = output_moments.solve(tensors["o_proj.weight"])
+        out = dict(tensors)
+        kv_b = tensors["kv_b_proj.weight"].to(torch.float64).view(H, 2 * d, r).clone()
+        kv_b[:, d:] = values
+        out["kv_b_proj.weight"] = kv_b.reshape(H * 2 * d, r).to(tensors["kv_b_proj.weight"].dtype)
+        out["o_proj.weight"] = o_weight.to(tensors["o_proj.weight"].dtype)
+        return out, {**report, **o_report}
+
+    def _readout_batches(self, layer: int, target: torch.nn.Module, source_attention: SourceAttention, with_output: bool):
+        """Per half-batch (the two cross-validation folds: even and odd sequences): (fold, t, f, y) with t the
+        source heads' outputs (b, H, L, d), f the converted layer's averaged latents (b, H, L, r) and y the
+        source attention output (b, L, D; None unless ``with_output``)."""
+        source = self._source_layer(layer)
+        N, L, _ = self.hidden.shape
+        H, G, d, r = target.num_heads, self.modules.source_config.num_key_value_heads, target.v_head_dim, target.kv_lora_rank
         v_weight = source_attention.v_weight.float().to(self.device)  # (G*d, D)
         v_bias = None if source_attention.v_bias is None else source_attention.v_bias.float().to(self.device)
+        o_weight = source_attention.o_weight.float().to(self.device) if with_output else None  # residual multiplier folded in
         with eager_attention(source.self_attn.config, target.config):
             for start in range(0, N, self.batch_size):
                 x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
@@ -220,11 +270,10 @@ class LayerwiseCalibration:
                 p_converted = target(x, position_embeddings=self.target_rope, attention_mask=self.causal_mask)[1].float()
                 latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r])  # (b, L, r)
                 f = p_converted @ latent[:, None]  # (b, H, L, r)
-                y = t.transpose(1, 2).reshape(b, L, H * d) @ o_weight.T  # (b, L, D)
-                for k in (0, 1):  # the two cross-validation folds: even and odd sequences
+                y = t.transpose(1, 2).reshape(b, L, H * d) @ o_weight.T if with_output else None  # (b, L, D)
+                for k in (0, 1):
                     fold = slice((start + k) % 2, b, 2)
-                    moments.add(k, t[fold], f[fold], y[fold])
-        return moments.solve(tensors)
+                    yield k, t[fold], f[fold], None if y is None else y[fold]
 
     def reconstruct(self, layer: int, tensors: dict[str, torch.Tensor], source_attention: SourceAttention) -> tuple[dict[str, torch.Tensor], dict]:
         """The converted layer fitted by gradient descent to the source layer's attention output
@@ -291,4 +340,7 @@ def calibration_provider(ckpt, family, plan: ConversionPlan) -> LayerwiseCalibra
     except Exception as error:
         raise UserError(f"calibration needs the source tokenizer, which {ckpt.folder} lacks ({type(error).__name__}).") from error
     tokens = calibration_token_ids(calibration_documents(settings.text), tokenizer, settings.samples, settings.seq_len)
-    return LayerwiseCalibration(ckpt, family, plan, tokens, device=settings.device)
+    on_disk = check_budget(plan, settings.max_memory)
+    if on_disk:
+        log.info("calibration activations kept on disk: one layer's working set exceeds the memory budget")
+    return LayerwiseCalibration(ckpt, family, plan, tokens, device=settings.device, on_disk=on_disk)

@@ -115,12 +115,34 @@ def optimise_down(blocks, down: torch.Tensor, steps: int, lr: float = 1e-2) -> t
     return latent.detach().to(down.dtype)
 
 
+def row_space_basis(k_weight: torch.Tensor, v_weight: torch.Tensor) -> torch.Tensor | None:
+    """Orthonormal rows (m, D) spanning the rows of the source's K and V projections, or None when they span
+    every input direction (m = D: MHA). Everything the latent has to carry lies in this row space, so the
+    per-head moments are measured in its m coordinates (docs/calibration.md, "memory")."""
+    rows = torch.cat([k_weight, v_weight]).to(torch.float64)  # (2·G·d, D)
+    if rows.shape[0] >= rows.shape[1]:
+        return None
+    with single_thread():
+        _, singular, vh = torch.linalg.svd(rows, full_matrices=False)
+    kept = singular > singular[0].clamp_min(1e-300) * 1e-10
+    return None if int(kept.sum()) == rows.shape[1] else vh[kept]
+
+
+def to_basis(rows: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``rows`` (…, D) in the coordinates of ``basis`` (m, D); they must lie in its span."""
+    coordinates = rows @ basis.T
+    residual = float((rows - coordinates @ basis).norm())
+    if residual > 1e-6 * max(float(rows.norm()), 1e-30):
+        raise RuntimeError(f"internal error: rows outside the K/V row space (relative residual {residual / float(rows.norm()):.2e})")
+    return coordinates
+
+
 def weighted_energy(rows: torch.Tensor, cov: torch.Tensor) -> float:
     return float(torch.einsum("ij,jk,ik->", rows, cov, rows))
 
 
 def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_covariances, key_covariances=None,
-                             steps: int = LATENT_STEPS, key_row_weight=None):
+                             steps: int = LATENT_STEPS, key_row_weight=None, basis=None):
     """Latent and per-query-head up-projections fitted where the errors are seen.
 
     A value error reaches the output only through attention averages: head h reads x̄_h,i = Σ_j p_hij x_j,
@@ -128,7 +150,16 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
     ``W`` (shared) starts from the activation PCA and is refined to capture the most of the key
     and value energy per group (each relative to its total); then every query head gets its own
     K and V up-projection by regression on its own statistics — kv_b_proj is per head anyway.
-    key_nope, value: (G, d, D); covariances (H, D, D). Returns (up_k (H, d, r), up_v (H, d, r), down (r, D))."""
+    key_nope, value: (G, d, D); input_covariance (D, D); the per-head covariances (H, m, m) in the
+    coordinates of ``basis`` (m, D) — the K/V row space — or (H, D, D) when ``basis`` is None. With a basis the
+    latent is sought in that row space, where the activation PCA's latent lies.
+    Returns (up_k (H, d, r), up_v (H, d, r), down (r, D))."""
+    if basis is not None:
+        basis = basis.to(key_nope.dtype)
+        up_k, up_v, down = attention_aware_low_rank(
+            to_basis(key_nope, basis), to_basis(value, basis), rank, basis @ input_covariance @ basis.T,
+            value_covariances, key_covariances, steps, key_row_weight)
+        return up_k, up_v, down @ basis
     G, d, D = value.shape
     H = value_covariances.shape[0]
     per = H // G

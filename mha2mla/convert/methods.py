@@ -147,7 +147,7 @@ def attention_latent(key_nope, value, rank, num_heads, query: QueryNope, stats: 
     cov = _require(stats.input_covariance, "input covariance", "attention-aware low rank").to(torch.float64)
     values = _require(stats.value_covariances, "value covariances", "attention-aware low rank")
     up_k, up_v, down = attention_aware_low_rank(key_nope, value, rank, cov, values, stats.key_covariances,
-                                                key_row_weight=query.key_row_weight)
+                                                key_row_weight=query.key_row_weight, basis=stats.moment_basis)
     return Latent(up_k=up_k, up_v=up_v, down=down)
 
 

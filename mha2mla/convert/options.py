@@ -32,6 +32,8 @@ class ConvertOptions(BaseModel):
     calib_samples: int = 128
     calib_seq_len: int = 256
     calib_device: str | None = Field(None, description="device for calibration forwards (default: cuda if available)")
+    max_memory: float | None = Field(None, description="GiB one calibrated layer may use on the host; past it the "
+                                     "calibration activations go to disk (default: the memory available at the start)")
     max_shard_size: int = 2 * 1024**3
     untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (default: yes for portable)")
 
@@ -51,7 +53,7 @@ class ConvertOptions(BaseModel):
             raise ValueError("must be a fraction in (0, 1]")
         return value
 
-    @field_validator("kv_lora_rank", "rope_dim", "calib_samples", "calib_seq_len")
+    @field_validator("kv_lora_rank", "rope_dim", "calib_samples", "calib_seq_len", "max_memory")
     @classmethod
     def _positive(cls, value):
         if value is not None and value <= 0:

@@ -54,6 +54,13 @@ class ConversionResult:
     report: dict
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (ru_maxrss, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _command_line() -> str:
     argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]
     return " ".join(shlex.quote(a) for a in argv)
@@ -107,7 +114,12 @@ def convert(
         report.update(
             source=str(source), command=command or _command_line(), mha2mla_version=__version__,
             options=options.model_dump(), elapsed_seconds=round(time.time() - started, 2),
+            peak_rss_gib=round(peak_rss_bytes() / 1024**3, 3),
         )
+        if provider is not None and getattr(provider, "device", None) is not None and provider.device.type == "cuda":
+            import torch
+
+            report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(provider.device) / 1024**3, 3)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         write_model_card(tmp, report)
     return ConversionResult(out=out, plan=plan, report=report)
@@ -138,7 +150,9 @@ def _write_checkpoint(ckpt, family: Family, plan: ConversionPlan, folder: Path, 
     kv_b_weights, layers, dropped = {}, [], set()
     description = "converting" + (" (calibrated)" if plan.calibrated else " (weight-only)")
     for layer in _progress(range(plan.shape.num_layers), plan.shape.num_layers, progress, description):
+        layer_started = time.time()
         source, converted = _convert_layer(reader, plan, layer, provider)
+        converted.report["seconds"] = round(time.time() - layer_started, 2)
         prefix = f"model.layers.{layer}"
         for name, tensor in converted.tensors.items():
             writer.add(f"{prefix}.self_attn.{name}", tensor)

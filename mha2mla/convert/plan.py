@@ -125,6 +125,7 @@ class CalibrationSettings:
     samples: int  # N sequences
     seq_len: int  # of L tokens
     device: str | None  # None: cuda if available
+    max_memory: float | None = None  # GiB for one calibrated layer on the host (memory.py); None: what is available
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,8 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
     untie = untie or shape.embedding_scale != 1.0 or shape.logits_scale != 1.0  # tied weights would carry one scale
     calibration = None
     if methods.needs_statistics and not external_statistics:
-        calibration = CalibrationSettings(options.calib, options.calib_samples, options.calib_seq_len, options.calib_device)
+        calibration = CalibrationSettings(options.calib, options.calib_samples, options.calib_seq_len, options.calib_device,
+                                          options.max_memory)
     return ConversionPlan(
         family=family.name,
         profile=options.profile,

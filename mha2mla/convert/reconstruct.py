@@ -54,8 +54,10 @@ def _trainable(module: torch.nn.Module, exact: bool) -> tuple[list[torch.nn.Para
 def _loss(module: torch.nn.Module, data: ReconstructionData, index: slice | torch.Tensor) -> torch.Tensor:
     x, y = data.x[index], data.y[index]
     cos, sin = data.position_embeddings
-    out = module(x, position_embeddings=(cos, sin), attention_mask=None)[0]
-    return (out - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30)
+    # float32 on CPU; bf16 autocast on a GPU (the loss itself in float32)
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+        out = module(x, position_embeddings=(cos, sin), attention_mask=None)[0]
+    return (out.float() - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30)
 
 
 @torch.no_grad()
@@ -88,7 +90,7 @@ def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, 
     module.train(False)
     while steps < MAX_STEPS and waited < PATIENCE:
         for _ in range(EVAL_EVERY):
-            batch = torch.tensor(train)[torch.randperm(len(train), generator=generator)[:BATCH_SEQUENCES]]
+            batch = torch.tensor(train)[torch.randperm(len(train), generator=generator)[:BATCH_SEQUENCES]].to(data.x.device)
             optimizer.zero_grad()
             _loss(module, data, batch).backward()
             for name, mask in masks.items():

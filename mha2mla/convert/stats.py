@@ -28,8 +28,11 @@ class LayerStatistics:
     input_mean: torch.Tensor | None = None  # (D,): E[x]
     num_tokens: int = 0
     input_sample: torch.Tensor | None = None  # (n, D): some tokens' x, for per-token statistics
-    value_covariances: torch.Tensor | None = None  # (H, D, D): E[x̄ x̄ᵀ], x̄ = a head's attention-weighted x
-    key_covariances: torch.Tensor | None = None  # (H, D, D): key-side input moments per head
+    # per-head moments, in the coordinates of ``moment_basis`` (m, D) when it is set (m = the rank of the
+    # K/V rows, which is all the latent needs: 2048 of 8192 dims at 70B widths), else (H, D, D)
+    value_covariances: torch.Tensor | None = None  # (H, m, m): E[x̄ x̄ᵀ], x̄ = a head's attention-weighted x
+    key_covariances: torch.Tensor | None = None  # (H, m, m): key-side input moments per head
+    moment_basis: torch.Tensor | None = None  # (m, D): orthonormal rows spanning the source K/V rows
     distance_histogram: torch.Tensor | None = None  # (H, L): source attention mass at each query-key distance
     pair_frequencies: torch.Tensor | None = None  # (d/2,): the source's rotation frequency of each pair
 
