@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # bash benchmarks/gpu_check.sh [OUT_DIR]
-# One prepared GPU check for the MLA kernels (DESIGN §5) and FSDP recovery, < 8 minutes on one H200:
+# One prepared GPU check for the MLA kernels (docs/design.md), FSDP recovery and calibration on the GPU, < 10 minutes on one H200:
 #   1. the kernel tests natively on CUDA (gpu-marked tests and bf16 included),
 #   2. benchmarks/kernels_bench.py: prefill fwd/bwd TFLOP/s vs torch SDPA, decode GB/s vs HBM (JSON),
 #   3. `recover` under FSDP2 on CUDA (tests/test_recover_fsdp.py, gpu-marked: NCCL, one process per GPU, at most
 #      two; the loss curve against one process, the checkpoint folder, SIGKILL + --resume auto; docs/recover.md).
+#   4. calibrated conversion with --calib-device cuda at Llama-3-70B layer widths (benchmarks/scale.py, 2 layers,
+#      the default 128 calibration sequences): seconds per layer, host peak RSS and the GPU's peak (peak_gpu_gib).
 # Results land in OUT_DIR (default: $OUT if set, else ./gpu_check_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,5 +40,10 @@ bench_rc=${PIPESTATUS[0]}
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m "gpu" tests/test_recover_fsdp.py 2>&1 | tee "$OUT_DIR/fsdp_tests.txt"
 fsdp_rc=${PIPESTATUS[0]}
 
-echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"fsdp_rc\": $fsdp_rc, \"out_dir\": \"$OUT_DIR\"}"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fsdp_rc" -eq 0 ]
+timeout 100 "$PY" benchmarks/scale.py --shapes llama3-70b --modes calibrated --layers 2 --calib-samples 128 \
+  --calib-device cuda --max-minutes 1.5 --work "$OUT_DIR/scale" --json "$OUT_DIR/scale_cuda.json" 2>&1 | tee "$OUT_DIR/scale_cuda.txt"
+scale_rc=${PIPESTATUS[0]}
+rm -rf "$OUT_DIR/scale"
+
+echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"fsdp_rc\": $fsdp_rc, \"scale_rc\": $scale_rc, \"out_dir\": \"$OUT_DIR\"}"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fsdp_rc" -eq 0 ] && [ "$scale_rc" -eq 0 ]

@@ -31,16 +31,16 @@ import torch
 METHODS: dict[str, dict] = {
     "weight-svd": {},  # the weight-only product path
     # activation PCA of [K_nope; V] on the source model's activations (statistics computed once, reused)
-    "act-pca": {"rope_compensation": "none", "lowrank": "pca", "refit": False, "sequential": False},
-    "act-pca-seq": {"rope_compensation": "none", "lowrank": "pca", "refit": False},
+    "act-pca": {"rope_compensation": "none", "lowrank": "pca", "refit": False, "sequential": False, "reconstruct": False},
+    "act-pca-seq": {"rope_compensation": "none", "lowrank": "pca", "refit": False, "reconstruct": False},
     # + dropped rotations replaced by their attention-weighted mean
-    "act-pca-mean": {"lowrank": "pca", "refit": False, "sequential": False},
+    "act-pca-mean": {"lowrank": "pca", "refit": False, "sequential": False, "reconstruct": False},
     # + the attention-aware latent and per-head up-projections
-    "act-attention": {"refit": False, "sequential": False},
-    "act-attention-seq": {"refit": False},
-    # + the read-out refitted on the converted layer towards the source stream: the calibrated default
-    "act-attention-refit": {},
-    # + each layer fitted by gradient descent to the source layer's output (convert/reconstruct.py)
+    "act-attention": {"refit": False, "sequential": False, "reconstruct": False},
+    "act-attention-seq": {"refit": False, "reconstruct": False},
+    # + the read-out refitted on the converted layer towards the source stream (`--no-reconstruct`)
+    "act-attention-refit": {"reconstruct": False},
+    # + each layer fitted by gradient descent to the source layer's output (convert/reconstruct.py): the default
     "act-attention-refit-recon": {"reconstruct": True},
 }
 DEFAULT_METHOD = "act-attention-refit"

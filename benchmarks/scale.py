@@ -57,7 +57,8 @@ SHAPES: dict[str, tuple[str, dict, int]] = {
     "llama3-70b": ("llama", dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
                                  intermediate_size=28672, rope_theta=500000.0), 80),
 }
-MODES = ("weight-only", "calibrated")
+# calibrated: the default (refit + reconstruction); calibrated-no-recon: `--no-reconstruct`
+MODES = ("weight-only", "calibrated", "calibrated-no-recon")
 PROGRESS = re.compile(r"converting[^|]*\|[^|]*\|\s*(\d+)/(\d+)")
 # the bar's own measure of the layer loop so far: "k/N [mm:ss<mm:ss, 2.61s/layer]" (or "1.50layer/s" when faster)
 RATE = re.compile(r"(\d+)/\d+ \[[\d:]+<[^,]*,\s*([\d.]+)(s/layer|layer/s)")
@@ -198,6 +199,7 @@ def convert_command(source: Path, out: Path, mode: str, args) -> list[str]:
     if mode == "weight-only":
         return command + ["--calib", "none"]
     command += ["--calib", "default", "--calib-samples", str(args.calib_samples)]
+    command += ["--no-reconstruct"] if mode == "calibrated-no-recon" else []
     return command + (["--calib-device", args.calib_device] if args.calib_device else [])
 
 
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
                 shutil.rmtree(leftover, ignore_errors=True)
             row = summarise(name, mode, args.layers, watch, code, max_rss)
             row.update(vocab=args.vocab, dtype=args.dtype, kv_budget=args.kv_budget, threads=threads,
-                       calib_samples=args.calib_samples if mode == "calibrated" else None)
+                       calib_samples=args.calib_samples if mode != "weight-only" else None)
             if report:  # the conversion's own figures: seconds per layer, GPU peak when calibrated on one
                 row["report_layer_seconds"] = [layer.get("seconds") for layer in report.get("layers", [])]
                 if "peak_gpu_gib" in report:

@@ -165,9 +165,9 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
     folder = sources["llama_gqa"]
     ckpt = open_source(folder)
     family = family_for_config(ckpt.config)
-    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2)
+    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, reconstruct=False)
     plan = make_plan(ckpt.config, family, options, external_statistics=True)
-    assert plan.methods.refit and plan.methods.sequential  # the calibrated default
+    assert plan.methods.refit and plan.methods.sequential  # the calibrated default (reconstruction off: the refit's own output)
     calibration = LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu")
     result = convert(folder, tmp_path / "out", options, statistics=calibration, progress=False)
     report = result.report["layers"][0]
@@ -219,7 +219,7 @@ def test_portable_conversion_with_a_caller_supplied_provider(sources, tmp_path):
 
 def test_a_provider_without_refit_and_advance_is_refused(sources, tmp_path):
     """A plain callable used to be accepted, its refit silently skipped while the report said `output`."""
-    with pytest.raises(TypeError, match="lacks statistics, refit, advance"):
+    with pytest.raises(TypeError, match="lacks statistics, refit, reconstruct, advance"):
         convert(sources["llama_gqa"], tmp_path / "out", ConvertOptions(kv_budget=0.5), progress=False,
                 statistics=lambda layer: LayerStatistics())
     assert not (tmp_path / "out").exists()

@@ -29,10 +29,12 @@ def convert_command(
     calib: Optional[str] = typer.Option(None, metavar="TEXT", help="Calibration text: `default` (the bundled sample, the default), a .txt/.jsonl/.parquet file, a folder or a dataset id; `none` for the fast weight-only path (poor quality without `mha2mla recover`)."),
     calib_samples: Optional[int] = typer.Option(None, metavar="N", help="Calibration sequences of 256 tokens (default 128; `calib_seq_len` in a recipe sets their length)."),
     calib_device: Optional[str] = typer.Option(None, metavar="DEVICE", help="Device for calibration (cpu, cuda, cuda:1; default cuda if available)."),
+    reconstruct: Optional[bool] = typer.Option(None, "--reconstruct/--no-reconstruct", help="Fit each calibrated layer to the source layer by gradient descent (the default; --no-reconstruct is faster and worse, docs/calibration.md)."),
     recipe: Optional[Path] = typer.Option(None, help="A recipe YAML holding these options (flags given here win)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (ranks, method, KV bytes/token, parameters) and write nothing."),
     force: bool = typer.Option(False, "--force", help="Replace OUT when it holds an earlier mha2mla output (a folder mha2mla did not write is never replaced)."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    # hidden: the bar shows by default; --no-progress for scripts (kept off the help, which lists at most 14 options)
+    progress: bool = typer.Option(True, "--progress/--no-progress", hidden=True, help="Show a progress bar."),
 ) -> None:
     """Convert an MHA/GQA model into a native DeepSeek-V3 MLA checkpoint plus absorbed inference weights.
 
@@ -47,7 +49,7 @@ def convert_command(
     options = build_options(
         loaded, target=target, profile=profile, kv_budget=kv_budget, kv_lora_rank=kv_lora_rank,
         rope_dim=rope_dim, dtype=dtype, calib=calib, calib_samples=calib_samples,
-        calib_device=calib_device,
+        calib_device=calib_device, reconstruct=reconstruct,
     )
     check_source(source)  # the mistakes found without reading a model: one sentence before torch loads
     if not dry_run:

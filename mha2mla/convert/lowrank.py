@@ -96,11 +96,15 @@ def regression_up(rows: torch.Tensor, cov: torch.Tensor, down: torch.Tensor) -> 
     return (torch.linalg.pinv(gram, rtol=1e-12, hermitian=True) @ (down @ cov @ rows.T)).T
 
 
-def optimise_down(blocks, down: torch.Tensor, steps: int, lr: float = 1e-2) -> torch.Tensor:
+def latent_block(rows: torch.Tensor, cov: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One block of :func:`optimise_down`'s objective in float32: (Σ, A = Σ Tᵀ, w)."""
+    # W Σ Tᵀ T Σ Wᵀ = (W A)(W A)ᵀ: a thin product instead of a D × D one
+    return cov.float(), (cov @ rows.T).float(), weight
+
+
+def optimise_down(prepared, down: torch.Tensor, steps: int, lr: float = 1e-2) -> torch.Tensor:
     """Latent rows ``W`` maximising Σ_b w_b · captured_b, where block b (rows T_b, input second moment
-    Σ_b, weight w_b) regressed on W x captures tr((WΣ_bWᵀ)⁻¹ W Σ_b T_bᵀ T_b Σ_b Wᵀ)."""
-    # W Σ Tᵀ T Σ Wᵀ = (W A)(W A)ᵀ with A = Σ Tᵀ (D × rows): a thin product instead of a D × D one
-    prepared = [(cov.float(), (cov @ rows.T).float(), weight) for rows, cov, weight in blocks]
+    Σ_b, weight w_b; ``latent_block``) regressed on W x captures tr((WΣ_bWᵀ)⁻¹ W Σ_b T_bᵀ T_b Σ_b Wᵀ)."""
     q, _ = torch.linalg.qr(down.T)
     latent = q.T.float().clone().requires_grad_(True)  # orthonormal rows spanning the initial latent
     optimizer = torch.optim.Adam([latent], lr=lr)
@@ -169,16 +173,18 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
         init = joint_low_rank(key_nope.reshape(G * d, D), value.reshape(G * d, D), rank, input_covariance)
         down = init.down
         if rank < int(torch.linalg.matrix_rank(torch.cat([key_nope.reshape(G * d, D), value.reshape(G * d, D)]))):
-            blocks = []
-            group_key = [sum(key_covariances[h].to(dtype) for h in range(g * per, (g + 1) * per)) / per for g in range(G)]
-            group_value = [sum(value_covariances[h].to(dtype) for h in range(g * per, (g + 1) * per)) / per for g in range(G)]
             key_rows = key_nope if key_row_weight is None else key_nope * key_row_weight[..., None]  # (G, d, D)
-            key_total = sum(weighted_energy(key_rows[g], group_key[g]) for g in range(G))
-            value_total = sum(weighted_energy(value[g], group_value[g]) for g in range(G))
-            for g in range(G):
-                if key_total > 0:
-                    blocks.append((key_rows[g], group_key[g], 1.0 / key_total))
-                blocks.append((value[g], group_value[g], 1.0 / value_total))
+            blocks, key_energy, value_energy = [], [], []
+            for g in range(G):  # one group's float64 mean at a time; the blocks keep float32 (memory.py)
+                heads = range(g * per, (g + 1) * per)
+                for rows, moments, energies in ((key_rows[g], key_covariances, key_energy), (value[g], value_covariances, value_energy)):
+                    group = sum(moments[h].to(dtype) for h in heads) / per
+                    energies.append(weighted_energy(rows, group))
+                    blocks.append(latent_block(rows, group, 1.0))
+                    del group
+            key_total, value_total = sum(key_energy), sum(value_energy)
+            weights = [w for g in range(G) for w in (1.0 / key_total if key_total > 0 else 0.0, 1.0 / value_total)]
+            blocks = [(cov, thin, weight) for (cov, thin, _), weight in zip(blocks, weights) if weight > 0]
             down = optimise_down(blocks, down, steps)
         up_k = torch.stack([regression_up(key_nope[h // per], key_covariances[h].to(dtype), down) for h in range(H)])
         up_v = torch.stack([regression_up(value[h // per], value_covariances[h].to(dtype), down) for h in range(H)])

@@ -250,10 +250,12 @@ class Methods:
         return asdict(self)
 
 
-def product_methods(profile: str, calibrated: bool) -> Methods:
-    """The two method sets the product offers: calibrated (the default) and weight-only."""
+def product_methods(profile: str, calibrated: bool, reconstruct: bool = True) -> Methods:
+    """The method sets the product offers: calibrated (the default; ``reconstruct=False`` is ``--no-reconstruct``)
+    and weight-only."""
     if calibrated:
         return Methods(rope_mixing="activation", rope_compensation="mean", lowrank="attention",
-                       kv_norm="neutralised" if profile == "exact" else "stabilized", refit=True, sequential=True)
+                       kv_norm="neutralised" if profile == "exact" else "stabilized", refit=True, sequential=True,
+                       reconstruct=reconstruct)
     return Methods(rope_mixing="weight", rope_compensation="none", lowrank="svd",
                    kv_norm="neutralised" if profile == "exact" else "rms", refit=False, sequential=False)

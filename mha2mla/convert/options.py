@@ -32,6 +32,8 @@ class ConvertOptions(BaseModel):
     calib_samples: int = 128
     calib_seq_len: int = 256
     calib_device: str | None = Field(None, description="device for calibration forwards (default: cuda if available)")
+    reconstruct: bool = Field(True, description="fit each calibrated layer to the source layer by gradient descent "
+                              "(docs/calibration.md, reconstruction); False is faster and worse")
     max_memory: float | None = Field(None, description="GiB one calibrated layer may use on the host; past it the "
                                      "calibration activations go to disk (default: the memory available at the start)")
     max_shard_size: int = 2 * 1024**3

@@ -95,7 +95,7 @@ def convert(
     options = options or ConvertOptions()
     started = time.time()
     if statistics is not None:
-        require_provider(statistics, (methods or product_methods(options.profile, calibrated=True)).provider_steps)
+        require_provider(statistics, (methods or product_methods(options.profile, True, options.reconstruct)).provider_steps)
     out = Path(out) if out is not None else None
     if out is not None and not dry_run:
         prepare_out(out, force, source)

@@ -173,7 +173,7 @@ class ConversionPlan:
             f"{self.calibration.samples} x {self.calibration.seq_len} tokens")
         return (f"calibrated on {where}: {m.rope_mixing} rope mixing, {m.rope_compensation} rope compensation, "
                 f"{m.lowrank} low rank, {m.kv_norm} kv_a_layernorm, refit {'on' if m.refit else 'off'}, "
-                f"{'sequential' if m.sequential else 'source-stream'} statistics")
+                f"reconstruction {'on' if m.reconstruct else 'off'}, {'sequential' if m.sequential else 'source-stream'} statistics")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -293,7 +293,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
         raise UserError(f"--target {options.target} serves the portable profile only ({rules.label} has no attention "
                         "biases); drop --profile exact.")
     calibrated = options.calibrated or external_statistics
-    methods = methods or product_methods(options.profile, calibrated)
+    methods = methods or product_methods(options.profile, calibrated, options.reconstruct)
     methods.check(options.profile)
     if methods.needs_statistics and not calibrated:
         raise ValueError("these methods need calibration statistics; give calib or a statistics provider")
