@@ -472,3 +472,23 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
             model(held)
     error = ((outputs["target"] - outputs["source"]).pow(2).sum() / outputs["source"].pow(2).sum()).sqrt().item()
     assert abs(error - layers[0]["reconstruction_error_after"]) < 2e-3, (error, layers[0])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_more_rows_than_inputs_factor_like_the_rows_by_rows_problem(weighted):
+    """MHA stacks 2·H·d > D rows: the factorisation comes from the D × D problem; the subspace (hence
+    up @ down) equals the top eigenvectors of the rows × rows moment, and full rank stays exact."""
+    generator = torch.Generator().manual_seed(11)
+    D, n = 24, 20  # 40 stacked rows over 24 inputs
+    key = torch.randn(n, D, dtype=torch.float64, generator=generator)
+    value = torch.randn(n, D, dtype=torch.float64, generator=generator) * 0.5
+    x = torch.randn(500, D, dtype=torch.float64, generator=generator) * torch.linspace(0.3, 2, D, dtype=torch.float64)
+    cov = x.T @ x / 500 if weighted else None
+    factors = joint_low_rank(key, value, 7, cov)
+    sigma = cov if weighted else torch.eye(D, dtype=torch.float64)
+    balance = (torch.einsum("ij,jk,ik->", value, sigma, value) / torch.einsum("ij,jk,ik->", key, sigma, key)).sqrt()
+    stacked = torch.cat([key * balance, value])  # the K rows weighed like the V rows, as joint_low_rank does
+    top = torch.linalg.eigh(stacked @ sigma @ stacked.T)[1][:, -7:]  # the rows × rows problem, directly
+    torch.testing.assert_close(factors.up[n:] @ factors.down, (top @ top.T @ stacked)[n:], rtol=1e-8, atol=1e-8)
+    full = joint_low_rank(key, value, 2 * n, cov)
+    torch.testing.assert_close(full.up @ full.down, torch.cat([key, value]), rtol=1e-8, atol=1e-8)

@@ -25,15 +25,23 @@ import torch
 LATENT_STEPS = 50
 
 
+THREADS = torch.get_num_threads()  # what the process started with
+
+
 @contextmanager
-def single_thread():
-    """float64 eigh/svd on 2 threads can be 100× slower than on 1 (docs/design.md §3, numerics)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def threads(count: int):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
+
+
+def single_thread():
+    """float64 eigh/svd on 2 threads can be 100× slower than on 1 (docs/design.md §3, numerics); float32
+    products inside such a block go back to every thread (``threads(THREADS)``)."""
+    return threads(1)
 
 
 @dataclass
@@ -68,10 +76,7 @@ def joint_low_rank(
         # guard: at full rope capacity K_nope can be empty or zero
         scale = (value_energy / key_energy) ** 0.5 if balance and key_energy > 1e-12 * max(value_energy, 1e-30) else 1.0
         stacked = torch.cat([key_nope * scale, value], dim=0)  # (rows, D)
-        moment = stacked @ stacked.T if cov is None else stacked @ cov @ stacked.T  # (rows, rows)
-        eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # ascending
-        eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.flip(1)
-        basis = eigenvectors[:, :rank]  # (rows, r)
+        eigenvalues, basis = _leading_output_directions(stacked, cov, rank)  # descending, (rows, r)
         down = basis.T @ stacked  # (r, D)
         up = basis.clone()
         up[:n_key] /= scale  # fold the balance back into the K rows
@@ -85,6 +90,32 @@ def joint_low_rank(
         value_relative_error=(value_error / value_total) ** 0.5 if value_total > 0 else 0.0,
         energy=eigenvalues.clamp_min(0),
     )
+
+
+def _leading_output_directions(stacked: torch.Tensor, cov: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``rank`` eigenvectors (rows, r) of M Σ Mᵀ (Σ = I when ``cov`` is None) and all its eigenvalues,
+    descending. With more rows than inputs (MHA: 2·H·d > D) they come from the D × D problem instead —
+    Σ^½ Mᵀ M Σ^½ = V Λ Vᵀ gives M Σ^½ V Λ^-½ — a quarter of the work of the rows × rows one at Llama-2-7B;
+    directions of a zero eigenvalue are left zero (they carry nothing)."""
+    rows, D = stacked.shape
+    if rows <= D:
+        moment = stacked @ stacked.T if cov is None else stacked @ cov @ stacked.T  # (rows, rows)
+        eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # ascending
+        return eigenvalues.flip(0), eigenvectors.flip(1)[:, :rank]
+    if cov is None:
+        weighted = stacked
+    else:
+        cov_values, cov_vectors = torch.linalg.eigh(cov)
+        weighted = stacked @ (cov_vectors * cov_values.clamp_min(0).sqrt()) @ cov_vectors.T  # M Σ^½
+    eigenvalues, vectors = torch.linalg.eigh(weighted.T @ weighted)  # (D,), (D, D) ascending
+    eigenvalues, vectors = eigenvalues.flip(0), vectors.flip(1)[:, :rank]
+    top = eigenvalues[: vectors.shape[1]]
+    nonzero = top > top[0].clamp_min(1e-300) * 1e-12
+    basis = (weighted @ vectors) / top.clamp_min(1e-300).sqrt()
+    basis[:, ~nonzero] = 0
+    if basis.shape[1] < rank:  # a rank beyond D: the remaining directions carry nothing either
+        basis = torch.cat([basis, basis.new_zeros(rows, rank - basis.shape[1])], dim=1)
+    return torch.cat([eigenvalues, eigenvalues.new_zeros(rows - D)]), basis
 
 
 def regression_up(rows: torch.Tensor, cov: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -185,7 +216,8 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
             key_total, value_total = sum(key_energy), sum(value_energy)
             weights = [w for g in range(G) for w in (1.0 / key_total if key_total > 0 else 0.0, 1.0 / value_total)]
             blocks = [(cov, thin, weight) for (cov, thin, _), weight in zip(blocks, weights) if weight > 0]
-            down = optimise_down(blocks, down, steps)
+            with threads(THREADS):  # float32 products: every thread
+                down = optimise_down(blocks, down, steps)
         up_k = torch.stack([regression_up(key_nope[h // per], key_covariances[h].to(dtype), down) for h in range(H)])
         up_v = torch.stack([regression_up(value[h // per], value_covariances[h].to(dtype), down) for h in range(H)])
     return up_k, up_v, down

@@ -32,6 +32,7 @@ class ReconstructionData:
     x: torch.Tensor  # (N, L, D): the converted stream's attention inputs
     y: torch.Tensor  # (N, L, D): the source layer's attention outputs (the targets)
     position_embeddings: tuple[torch.Tensor, torch.Tensor]  # the target rope (cos, sin) for L positions
+    attention_mask: torch.Tensor | None = None  # the causal mask, for eager attention (None: the module's sdpa is causal)
 
 
 def _trainable(module: torch.nn.Module, exact: bool) -> tuple[list[torch.nn.Parameter], dict[str, torch.Tensor]]:
@@ -56,7 +57,7 @@ def _loss(module: torch.nn.Module, data: ReconstructionData, index: slice | torc
     cos, sin = data.position_embeddings
     # float32 on CPU; bf16 autocast on a GPU (the loss itself in float32)
     with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
-        out = module(x, position_embeddings=(cos, sin), attention_mask=None)[0]
+        out = module(x, position_embeddings=(cos, sin), attention_mask=data.attention_mask)[0]
     return (out.float() - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30)
 
 
@@ -66,7 +67,7 @@ def _held_out_error(module, data, held_out: range) -> float:
     for start in range(held_out.start, held_out.stop, BATCH_SEQUENCES):
         index = slice(start, min(start + BATCH_SEQUENCES, held_out.stop))
         cos, sin = data.position_embeddings
-        out = module(data.x[index], position_embeddings=(cos, sin), attention_mask=None)[0]
+        out = module(data.x[index], position_embeddings=(cos, sin), attention_mask=data.attention_mask)[0]
         num += float((out - data.y[index]).pow(2).sum())
         den += float(data.y[index].pow(2).sum())
     return (num / max(den, 1e-30)) ** 0.5
