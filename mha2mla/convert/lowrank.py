@@ -211,8 +211,10 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
                 for rows, moments, energies in ((key_rows[g], key_covariances, key_energy), (value[g], value_covariances, value_energy)):
                     group = sum(moments[h].to(dtype) for h in heads) / per
                     energies.append(weighted_energy(rows, group))
-                    blocks.append(latent_block(rows, group, 1.0))
-                    del group
+                    cov, thin, _ = latent_block(rows, group, 1.0)
+                    # one head per group (MHA): its float32 moment itself, not a copy (the same values)
+                    blocks.append((moments[heads[0]] if per == 1 and moments[heads[0]].dtype == torch.float32 else cov, thin, 1.0))
+                    del group, cov
             key_total, value_total = sum(key_energy), sum(value_energy)
             weights = [w for g in range(G) for w in (1.0 / key_total if key_total > 0 else 0.0, 1.0 / value_total)]
             blocks = [(cov, thin, weight) for (cov, thin, _), weight in zip(blocks, weights) if weight > 0]

@@ -66,7 +66,7 @@ def layer_memory(plan: ConversionPlan) -> dict[str, int]:
         "hidden states": hidden_streams(plan) * tokens * D * F32,
         "source layer (float32, read + copy)": 2 * layer_params * F32,
         "per-head moments": 2 * H * m * m * F32 + 2 * D * D * F64,
-        "latent fit (group moments, float64 work)": 4 * G * m * m * F64 + 4 * H * d * D * F64,
+        "latent fit (group moments, float64 work)": (0 if H == G else 2 * G * m * m * F32) + 2 * m * m * F64 + 4 * H * d * D * F64,
         "one batch of attention": batch * (3 * H * c.seq_len * c.seq_len + 4 * c.seq_len * (D + H * (d + r))) * F32,
     }
     if plan.methods.refit:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from mha2mla.convert.lowrank import single_thread
+
 # relative ridges (towards the current map) that the refit chooses from by cross-validation
 REFIT_RIDGES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 F64 = torch.float64
@@ -79,7 +81,8 @@ def ridge_refit(current: torch.Tensor, cross: torch.Tensor, gram: torch.Tensor, 
     errors before and after (on both folds) and the ridge (None: kept ``current``)."""
     # one eigendecomposition per set of moments serves every ridge: (G + λsI)⁻¹ = Q (Λ + λs)⁻¹ Qᵀ
     def solver(moments_cross, moments_gram):
-        eigenvalues, vectors = torch.linalg.eigh(moments_gram)  # (B, n), (B, n, n)
+        with single_thread():  # float64 eigh (lowrank.single_thread)
+            eigenvalues, vectors = torch.linalg.eigh(moments_gram)  # (B, n), (B, n, n)
         scale = moments_gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[:, None]  # (B, 1)
         rotated = (moments_cross - current @ moments_gram) @ vectors  # (B, m, n): the residual's cross moment
 

@@ -39,7 +39,7 @@ class LayerStatistics:
 
 @runtime_checkable
 class CalibrationProvider(Protocol):
-    """The three steps of layer-wise calibration (docs/calibration.md, "the pipeline")."""
+    """The steps of layer-wise calibration (docs/calibration.md, "how statistics are collected")."""
 
     def statistics(self, layer: int) -> LayerStatistics:
         """Statistics of layer ``layer``'s attention input; layers are asked for in order."""
