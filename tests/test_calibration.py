@@ -492,3 +492,40 @@ def test_more_rows_than_inputs_factor_like_the_rows_by_rows_problem(weighted):
     torch.testing.assert_close(factors.up[n:] @ factors.down, (top @ top.T @ stacked)[n:], rtol=1e-8, atol=1e-8)
     full = joint_low_rank(key, value, 2 * n, cov)
     torch.testing.assert_close(full.up @ full.down, torch.cat([key, value]), rtol=1e-8, atol=1e-8)
+
+
+def test_ridge_refit_equals_the_direct_cross_validation():
+    """The refit scores every ridge in the eigenbasis of each fold (O(n²) per ridge): the same choice, map and
+    errors as fitting every ridge explicitly and measuring it on the other fold."""
+    from mha2mla.convert.refit import REFIT_RIDGES, ridge_refit
+
+    generator = torch.Generator().manual_seed(12)
+    B, m, n = 4, 24, 30
+    features = [torch.randn(B, 120, n, dtype=torch.float64, generator=generator) for _ in range(2)]
+    true = torch.randn(B, m, n, dtype=torch.float64, generator=generator)
+    targets = [true @ f.transpose(1, 2) + 2.0 * torch.randn(B, m, 120, dtype=torch.float64, generator=generator) for f in features]
+    cross = torch.stack([t @ f for t, f in zip(targets, features)])
+    gram = torch.stack([f.transpose(1, 2) @ f for f in features])
+    energy = torch.stack([t.pow(2).sum() for t in targets])
+    current = 0.3 * torch.randn(B, m, n, dtype=torch.float64, generator=generator)
+
+    def error(up, k):  # directly on the samples of fold k
+        return float((up @ features[k].transpose(1, 2) - targets[k]).pow(2).sum())
+
+    def fit(k, ridge):  # ridge regression towards current on fold k's samples, solved directly
+        scale = gram[k].diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None]
+        system = gram[k] + ridge * scale * torch.eye(n, dtype=torch.float64)
+        return current + torch.linalg.solve(system, (cross[k] - current @ gram[k]).transpose(1, 2)).transpose(1, 2)
+
+    scores = {None: error(current, 0) + error(current, 1)}
+    scores.update({ridge: error(fit(0, ridge), 1) + error(fit(1, ridge), 0) for ridge in REFIT_RIDGES})
+    best = min(scores, key=scores.get)
+    refitted, report = ridge_refit(current, cross, gram, energy)
+    assert report["ridge"] == best is not None
+    summed = current + torch.linalg.solve(
+        gram.sum(0) + best * gram.sum(0).diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(n, dtype=torch.float64),
+        (cross.sum(0) - current @ gram.sum(0)).transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(refitted, summed, rtol=1e-8, atol=1e-10)
+    total = float(energy.sum())
+    assert report["error"] == pytest.approx(((error(current, 0) + error(current, 1)) / total) ** 0.5, rel=1e-9)
+    assert report["error_refit"] == pytest.approx(((error(refitted, 0) + error(refitted, 1)) / total) ** 0.5, rel=1e-9)
