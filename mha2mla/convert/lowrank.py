@@ -127,15 +127,10 @@ def regression_up(rows: torch.Tensor, cov: torch.Tensor, down: torch.Tensor) -> 
     return (torch.linalg.pinv(gram, rtol=1e-12, hermitian=True) @ (down @ cov @ rows.T)).T
 
 
-def latent_block(rows: torch.Tensor, cov: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One block of :func:`optimise_down`'s objective in float32: (Σ, A = Σ Tᵀ, w)."""
-    # W Σ Tᵀ T Σ Wᵀ = (W A)(W A)ᵀ: a thin product instead of a D × D one
-    return cov.float(), (cov @ rows.T).float(), weight
-
-
 def optimise_down(prepared, down: torch.Tensor, steps: int, lr: float = 1e-2) -> torch.Tensor:
     """Latent rows ``W`` maximising Σ_b w_b · captured_b, where block b (rows T_b, input second moment
-    Σ_b, weight w_b; ``latent_block``) regressed on W x captures tr((WΣ_bWᵀ)⁻¹ W Σ_b T_bᵀ T_b Σ_b Wᵀ)."""
+    Σ_b, weight w_b) regressed on W x captures tr((WΣ_bWᵀ)⁻¹ W Σ_b T_bᵀ T_b Σ_b Wᵀ). ``prepared`` holds per
+    block (Σ_b, A_b = Σ_b T_bᵀ, w_b) in float32: W Σ Tᵀ T Σ Wᵀ = (W A)(W A)ᵀ, a thin product instead of a D × D one."""
     q, _ = torch.linalg.qr(down.T)
     latent = q.T.float().clone().requires_grad_(True)  # orthonormal rows spanning the initial latent
     optimizer = torch.optim.Adam([latent], lr=lr)
@@ -205,21 +200,22 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
         down = init.down
         if rank < int(torch.linalg.matrix_rank(torch.cat([key_nope.reshape(G * d, D), value.reshape(G * d, D)]))):
             key_rows = key_nope if key_row_weight is None else key_nope * key_row_weight[..., None]  # (G, d, D)
-            blocks, key_energy, value_energy = [], [], []
+            blocks, energy = {"key": [], "value": []}, {"key": 0.0, "value": 0.0}
             for g in range(G):  # one group's float64 mean at a time; the blocks keep float32 (memory.py)
                 heads = range(g * per, (g + 1) * per)
-                for rows, moments, energies in ((key_rows[g], key_covariances, key_energy), (value[g], value_covariances, value_energy)):
+                for side, rows, moments in (("key", key_rows[g], key_covariances), ("value", value[g], value_covariances)):
                     group = sum(moments[h].to(dtype) for h in heads) / per
-                    energies.append(weighted_energy(rows, group))
-                    cov, thin, _ = latent_block(rows, group, 1.0)
+                    energy[side] += weighted_energy(rows, group)
                     # one head per group (MHA): its float32 moment itself, not a copy (the same values)
-                    blocks.append((moments[heads[0]] if per == 1 and moments[heads[0]].dtype == torch.float32 else cov, thin, 1.0))
-                    del group, cov
-            key_total, value_total = sum(key_energy), sum(value_energy)
-            weights = [w for g in range(G) for w in (1.0 / key_total if key_total > 0 else 0.0, 1.0 / value_total)]
-            blocks = [(cov, thin, weight) for (cov, thin, _), weight in zip(blocks, weights) if weight > 0]
+                    same = per == 1 and moments[heads[0]].dtype == torch.float32
+                    blocks[side].append((moments[heads[0]] if same else group.float(), (group @ rows.T).float()))
+            prepared = []
+            for g in range(G):
+                if energy["key"] > 0:
+                    prepared.append((*blocks["key"][g], 1.0 / energy["key"]))
+                prepared.append((*blocks["value"][g], 1.0 / energy["value"]))
             with threads(THREADS):  # float32 products: every thread
-                down = optimise_down(blocks, down, steps)
+                down = optimise_down(prepared, down, steps)
         up_k = torch.stack([regression_up(key_nope[h // per], key_covariances[h].to(dtype), down) for h in range(H)])
         up_v = torch.stack([regression_up(value[h // per], value_covariances[h].to(dtype), down) for h in range(H)])
     return up_k, up_v, down

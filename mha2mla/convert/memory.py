@@ -84,7 +84,8 @@ def check_budget(plan: ConversionPlan, max_memory_gib: float | None) -> bool:
     budget = int(max_memory_gib * GIB) if max_memory_gib else available_memory()
     if budget <= 0:
         return False
-    total, rest = sum(terms.values()), sum(terms.values()) - terms["hidden states"]
+    total = sum(terms.values())
+    rest = total - terms["hidden states"]
     if rest > budget:
         largest = max((k for k in terms if k != "hidden states"), key=terms.get)
         where = f"max_memory {max_memory_gib:g} GiB" if max_memory_gib else f"the {budget / GIB:.1f} GiB this machine has available"
