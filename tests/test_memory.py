@@ -4,6 +4,7 @@ a budget that cannot hold a layer is one sentence before any work, and the estim
 from __future__ import annotations
 
 import glob
+import json
 import tempfile
 
 import pytest
@@ -34,7 +35,9 @@ def test_activations_on_disk_convert_to_the_same_weights(source, tmp_path, monke
     monkeypatch.setattr("mha2mla.convert.calibration.check_budget", lambda plan, budget: True)
     monkeypatch.setattr("mha2mla.convert.calibration.host_buffer", on_disk_buffer)
     convert(source, tmp_path / "disk", options, progress=False)
-    assert made == [True, True]  # both streams (converted and source) were file-backed
+    layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    # both streams (converted and source), then each layer's source head outputs, all file-backed
+    assert made == [True] * (2 + layers)
     assert not glob.glob(f"{tempfile.gettempdir()}/mha2mla-calibration-*")  # nothing left behind
     first, second = load_file(tmp_path / "memory" / "model.safetensors"), load_file(tmp_path / "disk" / "model.safetensors")
     assert first.keys() == second.keys()

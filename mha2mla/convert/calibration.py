@@ -28,7 +28,7 @@ from mha2mla import UserError
 from mha2mla.convert.calibration_data import calibration_documents, calibration_token_ids
 from mha2mla.convert.layer import SourceAttention
 from mha2mla.convert.lowrank import row_space_basis
-from mha2mla.convert.memory import calibration_batch, check_budget, host_buffer
+from mha2mla.convert.memory import REFIT_CACHE_BYTES, calibration_batch, check_budget, host_buffer
 from mha2mla.convert.plan import ConversionPlan
 from mha2mla.convert.reconstruct import ReconstructionData, reconstruct
 from mha2mla.convert.refit import OutputMoments, ValueMoments
@@ -93,6 +93,7 @@ class LayerwiseCalibration:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.batch_size = batch_size or (calibration_batch(plan) if plan.calibration is not None else 8)
         on_disk = on_disk and self.device.type == "cpu"  # hidden states file-backed (memory.py)
+        self.on_disk = on_disk
         self.modules = _modules(ckpt, plan)
         self.reader = SourceReader(ckpt, family, plan)  # canonical K/V rows (fused tensors split)
         self.num_layers = plan.shape.num_layers
@@ -117,6 +118,7 @@ class LayerwiseCalibration:
         self.source_rope = self.modules.source_rotary.to(self.device)(probe, positions)
         self.target_rope = self.modules.target_rotary.to(self.device)(probe, positions)
         self._layer_cache: tuple[int, torch.nn.Module] | None = None
+        self._heads_cache: tuple[int, torch.Tensor] | None = None
 
     def _buffer(self, shape, on_disk: bool) -> torch.Tensor:
         return host_buffer(shape, on_disk) if on_disk else torch.empty(shape, device=self.device)
@@ -132,6 +134,34 @@ class LayerwiseCalibration:
         module = module.to(self.device).eval()
         self._layer_cache = (layer, module)
         return module
+
+    @torch.no_grad()
+    def _source_heads(self, layer: int) -> torch.Tensor:
+        """(N, L, H·d): the source attention's head outputs (what its o_proj reads) on the source stream (the
+        one stream when there is no second), computed once per layer for the refit, the reconstruction and
+        ``advance``: the source attention output is ``o_proj`` of it (docs/calibration.md, "memory")."""
+        if self._heads_cache is not None and self._heads_cache[0] == layer:
+            return self._heads_cache[1]
+        self._heads_cache = None
+        source = self._source_layer(layer)
+        stream = self.hidden if self.source_hidden is None else self.source_hidden
+        N, L, _ = stream.shape
+        heads = self._buffer((N, L, source.self_attn.o_proj.in_features), self.on_disk)
+        captured = []
+        hook = source.self_attn.o_proj.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        try:
+            for start in range(0, N, self.batch_size):
+                source.self_attn(source.input_layernorm(stream[start : start + self.batch_size]),
+                                 position_embeddings=self.source_rope, attention_mask=None)
+                heads[start : start + self.batch_size] = captured.pop()
+        finally:
+            hook.remove()
+        self._heads_cache = (layer, heads)
+        return heads
+
+    def _source_output(self, source: torch.nn.Module, heads: torch.Tensor) -> torch.Tensor:
+        """The source attention output, residual multiplier included, from its head outputs."""
+        return self.residual_scale * source.self_attn.o_proj(heads)
 
     def _target_attention(self, layer: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
         module = self.modules.target_attention_class(self.modules.target_config, layer_idx=layer)
@@ -231,13 +261,19 @@ class LayerwiseCalibration:
         ``source_attention`` (canonical: fused tensors split, multipliers folded)."""
         target = self._target_attention(layer, tensors)
         H, d, r = target.num_heads, target.v_head_dim, target.kv_lora_rank
+        N, L, D = self.hidden.shape
+        # the first pass keeps its averaged latents and targets for the second when they are small
+        keep = N * L * (H * r + D) * 4 <= REFIT_CACHE_BYTES
+        kept = []
         value_moments = ValueMoments(H, d, r, self.device)
-        for fold, t, f, _ in self._readout_batches(layer, target, source_attention, with_output=False):
+        for fold, t, f, y in self._readout_batches(layer, target, source_attention, with_output=keep):
             value_moments.add(fold, t, f)
+            if keep:
+                kept.append((fold, None, f, y))
         values, report = value_moments.solve(tensors["kv_b_proj.weight"])
         up = values.float().to(self.device)  # (H, d, r)
-        output_moments = OutputMoments(self.hidden.shape[-1], H * d, self.device)
-        for fold, _, f, y in self._readout_batches(layer, target, source_attention, with_output=True):
+        output_moments = OutputMoments(D, H * d, self.device)
+        for fold, _, f, y in kept or self._readout_batches(layer, target, source_attention, with_output=True):
             z = torch.einsum("hdr,bhlr->blhd", up, f)  # (b, L, H, d): the refitted heads' outputs
             output_moments.add(fold, z.flatten(2), y)
         o_weight, o_report = output_moments.solve(tensors["o_proj.weight"])
@@ -253,24 +289,19 @@ class LayerwiseCalibration:
         source heads' outputs (b, H, L, d), f the converted layer's averaged latents (b, H, L, r) and y the
         source attention output (b, L, D; None unless ``with_output``)."""
         source = self._source_layer(layer)
+        heads = self._source_heads(layer)  # (N, L, H*d)
         N, L, _ = self.hidden.shape
-        H, G, d, r = target.num_heads, self.modules.source_config.num_key_value_heads, target.v_head_dim, target.kv_lora_rank
-        v_weight = source_attention.v_weight.float().to(self.device)  # (G*d, D)
-        v_bias = None if source_attention.v_bias is None else source_attention.v_bias.float().to(self.device)
+        H, d, r = target.num_heads, target.v_head_dim, target.kv_lora_rank
         o_weight = source_attention.o_weight.float().to(self.device) if with_output else None  # residual multiplier folded in
-        with eager_attention(source.self_attn.config, target.config):
+        with eager_attention(target.config):
             for start in range(0, N, self.batch_size):
                 x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
                 b = x.shape[0]
-                xs = x if self.source_hidden is None else source.input_layernorm(self.source_hidden[start : start + b])
-                p = source.self_attn(xs, position_embeddings=self.source_rope, attention_mask=self.causal_mask)[1].float()
-                v = torch.nn.functional.linear(xs, v_weight, v_bias)  # (b, L, G*d)
-                v = v.view(b, L, G, d).transpose(1, 2).repeat_interleave(H // G, dim=1)
-                t = p @ v  # (b, H, L, d): the source heads' outputs
+                t = heads[start : start + b].to(self.device).view(b, L, H, -1).transpose(1, 2)  # (b, H, L, d)
                 p_converted = target(x, position_embeddings=self.target_rope, attention_mask=self.causal_mask)[1].float()
                 latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r])  # (b, L, r)
                 f = p_converted @ latent[:, None]  # (b, H, L, r)
-                y = t.transpose(1, 2).reshape(b, L, H * d) @ o_weight.T if with_output else None  # (b, L, D)
+                y = heads[start : start + b].to(self.device) @ o_weight.T if with_output else None  # (b, L, D)
                 for k in (0, 1):
                     fold = slice((start + k) % 2, b, 2)
                     yield k, t[fold], f[fold], None if y is None else y[fold]
@@ -283,10 +314,9 @@ class LayerwiseCalibration:
         with torch.no_grad():
             x = torch.cat([source.input_layernorm(self.hidden[i : i + self.batch_size])
                            for i in range(0, self.hidden.shape[0], self.batch_size)])
-            stream = self.hidden if self.source_hidden is None else self.source_hidden
-            y = torch.cat([self.residual_scale * source.self_attn(source.input_layernorm(stream[i : i + self.batch_size]),
-                                                                   position_embeddings=self.source_rope, attention_mask=None)[0]
-                           for i in range(0, stream.shape[0], self.batch_size)])
+            heads = self._source_heads(layer)
+            y = torch.cat([self._source_output(source, heads[i : i + self.batch_size].to(self.device))
+                           for i in range(0, heads.shape[0], self.batch_size)])
         # on a CPU, eager softmax with the explicit causal mask (a quarter faster than sdpa for SmolLM2's heads,
         # measured); on a GPU the module's causal sdpa
         cpu = self.device.type == "cpu"
@@ -305,22 +335,32 @@ class LayerwiseCalibration:
             raise RuntimeError(f"calibration advanced through layer {layer} while at layer {self.layer}")
         source = self._source_layer(layer)
         converted = self._target_attention(layer, tensors) if (self.sequential and tensors is not None) else None
+        # the source attention's head outputs on the source stream, when the refit or reconstruction computed them
+        heads = self._heads_cache[1] if self._heads_cache is not None and self._heads_cache[0] == layer else None
         for start in range(0, self.hidden.shape[0], self.batch_size):
-            h = self.hidden[start : start + self.batch_size]  # (b, L, D)
-            x = source.input_layernorm(h)
+            batch = slice(start, start + self.batch_size)
+            h = self.hidden[batch]  # (b, L, D)
             if converted is not None:
-                h = h + converted(x, position_embeddings=self.target_rope, attention_mask=None)[0]
+                h = h + converted(source.input_layernorm(h), position_embeddings=self.target_rope, attention_mask=None)[0]
+            elif heads is not None and self.source_hidden is None:  # the one stream: its source attention is cached
+                h = h + self._source_output(source, heads[batch].to(self.device))
             else:
-                h = h + self.residual_scale * source.self_attn(x, position_embeddings=self.source_rope, attention_mask=None)[0]
-            self.hidden[start : start + self.batch_size] = h + self.residual_scale * source.mlp(source.post_attention_layernorm(h))
+                h = h + self.residual_scale * source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope,
+                                                               attention_mask=None)[0]
+            self.hidden[batch] = self._add_mlp(source, h)
             if self.source_hidden is not None:
-                self.source_hidden[start : start + self.batch_size] = self._source_block(source, self.source_hidden[start : start + self.batch_size])
+                h = self.source_hidden[batch]
+                if heads is not None:
+                    h = h + self._source_output(source, heads[batch].to(self.device))
+                else:
+                    h = h + self.residual_scale * source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope,
+                                                                   attention_mask=None)[0]
+                self.source_hidden[batch] = self._add_mlp(source, h)
+        self._heads_cache = None
         self.layer += 1
 
-    def _source_block(self, source: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """One source decoder layer on hidden states ``h`` (b, L, D)."""
-        attention = source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope, attention_mask=None)[0]
-        h = h + self.residual_scale * attention
+    def _add_mlp(self, source: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """The rest of a decoder layer: its MLP added to the residual stream ``h`` (b, L, D) after the attention."""
         return h + self.residual_scale * source.mlp(source.post_attention_layernorm(h))
 
 

@@ -2,7 +2,7 @@
 
 A calibrated conversion holds one layer at a time. Its working set is the sum of ``layer_memory``'s terms:
 the calibration hidden states (N sequences × L tokens × D, float32; two streams when the refit or the
-reconstruction needs the source model's own), the source decoder layer in float32, the per-head moments
+reconstruction needs the source model's own) with the source attention's head outputs (N × L × H·d), the source decoder layer in float32, the per-head moments
 in the K/V row space, the attention probabilities of one batch, the o_proj refit's moments and the
 reconstruction's copies. When the whole does not fit the budget (``max_memory``, default: the memory
 available when the conversion starts), the hidden states go to a file-backed buffer the kernel pages
@@ -23,6 +23,8 @@ GIB = 1024**3
 F32, F64 = 4, 8
 # attention probabilities of one batch are kept under this many bytes (the batch shrinks for long sequences)
 PROBABILITY_BYTES = 512 * 1024**2
+# the refit keeps its first pass's latents and targets for the second when they take at most this much
+REFIT_CACHE_BYTES = 512 * 1024**2
 
 
 def available_memory() -> int:
@@ -63,7 +65,8 @@ def layer_memory(plan: ConversionPlan) -> dict[str, int]:
     layer_params = 2 * H * d * D + 2 * G * d * D + 3 * D * s.intermediate_size
     batch = calibration_batch(plan)
     terms = {
-        "hidden states": hidden_streams(plan) * tokens * D * F32,
+        # the hidden states, and the source attention's head outputs the refit and the reconstruction share
+        "hidden states": (hidden_streams(plan) * D + (H * d if plan.methods.refit or plan.methods.reconstruct else 0)) * tokens * F32,
         "source layer (float32, read + copy)": 2 * layer_params * F32,
         "per-head moments": 2 * H * m * m * F32 + 2 * D * D * F64,
         "latent fit (group moments, float64 work)": (0 if H == G else 2 * G * m * m * F32) + 2 * m * m * F64 + 4 * H * d * D * F64,
@@ -71,6 +74,9 @@ def layer_memory(plan: ConversionPlan) -> dict[str, int]:
     }
     if plan.methods.refit:
         terms["o_proj refit moments"] = (2 * (H * d) ** 2 + 2 * D * H * d) * F64 + 2 * (H * d) ** 2 * F64
+        cache = tokens * (H * r + D) * F32  # the first pass's latents and targets, kept when small (calibration.py)
+        if cache <= REFIT_CACHE_BYTES:
+            terms["refit's kept latents"] = cache
     if plan.methods.reconstruct:
         terms["reconstruction inputs and targets"] = 2 * tokens * D * F32
     return terms
