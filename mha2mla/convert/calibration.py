@@ -28,7 +28,7 @@ from mha2mla import UserError
 from mha2mla.convert.calibration_data import calibration_documents, calibration_token_ids
 from mha2mla.convert.layer import SourceAttention
 from mha2mla.convert.lowrank import row_space_basis
-from mha2mla.convert.memory import REFIT_CACHE_BYTES, calibration_batch, check_budget, host_buffer
+from mha2mla.convert.memory import calibration_batch, check_budget, host_buffer, refit_cache_bytes
 from mha2mla.convert.plan import ConversionPlan
 from mha2mla.convert.reconstruct import ReconstructionData, reconstruct
 from mha2mla.convert.refit import OutputMoments, ValueMoments
@@ -92,8 +92,7 @@ class LayerwiseCalibration:
         self.sequential = plan.methods.sequential
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.batch_size = batch_size or (calibration_batch(plan) if plan.calibration is not None else 8)
-        on_disk = on_disk and self.device.type == "cpu"  # hidden states file-backed (memory.py)
-        self.on_disk = on_disk
+        self.on_disk = on_disk and self.device.type == "cpu"  # the hidden states and the head outputs file-backed (memory.py)
         self.modules = _modules(ckpt, plan)
         self.reader = SourceReader(ckpt, family, plan)  # canonical K/V rows (fused tensors split)
         self.num_layers = plan.shape.num_layers
@@ -101,14 +100,14 @@ class LayerwiseCalibration:
         self.residual_scale = plan.shape.residual_scale  # folded into the converted o_proj and down_proj (source.py)
         # (N, L, D): the current layer's input hidden states
         N, L = tokens.shape
-        self.hidden = self._buffer((N, L, embed.shape[1]), on_disk)
+        self.hidden = self._buffer((N, L, embed.shape[1]))
         for start in range(0, N, 8):
             self.hidden[start : start + 8] = embed[tokens[start : start + 8]].float() * plan.shape.embedding_scale
         # the refit's targets come from the source model's own hidden states (sequential only): a
         # second set, pushed through the source layers only
         self.source_hidden = None
         if self.sequential and (plan.methods.refit or plan.methods.reconstruct):
-            self.source_hidden = self._buffer(self.hidden.shape, on_disk)
+            self.source_hidden = self._buffer(self.hidden.shape)
             self.source_hidden.copy_(self.hidden)
         self.layer = 0  # the hidden states are the input of this layer
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
@@ -120,8 +119,8 @@ class LayerwiseCalibration:
         self._layer_cache: tuple[int, torch.nn.Module] | None = None
         self._heads_cache: tuple[int, torch.Tensor] | None = None
 
-    def _buffer(self, shape, on_disk: bool) -> torch.Tensor:
-        return host_buffer(shape, on_disk) if on_disk else torch.empty(shape, device=self.device)
+    def _buffer(self, shape) -> torch.Tensor:
+        return host_buffer(shape, True) if self.on_disk else torch.empty(shape, device=self.device)
 
     # ---- one source layer, weights read lazily ------------------------------------------------
     def _source_layer(self, layer: int) -> torch.nn.Module:
@@ -140,13 +139,14 @@ class LayerwiseCalibration:
         """(N, L, H·d): the source attention's head outputs (what its o_proj reads) on the source stream (the
         one stream when there is no second), computed once per layer for the refit, the reconstruction and
         ``advance``: the source attention output is ``o_proj`` of it (docs/calibration.md, "memory")."""
-        if self._heads_cache is not None and self._heads_cache[0] == layer:
-            return self._heads_cache[1]
+        cached = self._cached_heads(layer)
+        if cached is not None:
+            return cached
         self._heads_cache = None
         source = self._source_layer(layer)
         stream = self.hidden if self.source_hidden is None else self.source_hidden
         N, L, _ = stream.shape
-        heads = self._buffer((N, L, source.self_attn.o_proj.in_features), self.on_disk)
+        heads = self._buffer((N, L, source.self_attn.o_proj.in_features))
         captured = []
         hook = source.self_attn.o_proj.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
         try:
@@ -159,9 +159,16 @@ class LayerwiseCalibration:
         self._heads_cache = (layer, heads)
         return heads
 
-    def _source_output(self, source: torch.nn.Module, heads: torch.Tensor) -> torch.Tensor:
-        """The source attention output, residual multiplier included, from its head outputs."""
-        return self.residual_scale * source.self_attn.o_proj(heads)
+    def _cached_heads(self, layer: int) -> torch.Tensor | None:
+        return self._heads_cache[1] if self._heads_cache is not None and self._heads_cache[0] == layer else None
+
+    def _source_output(self, source: torch.nn.Module, h: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """The source attention output on hidden states ``h`` (b, L, D), residual multiplier included: from
+        ``heads``, their head outputs, when these were computed already."""
+        if heads is not None:
+            return self.residual_scale * source.self_attn.o_proj(heads.to(self.device))
+        return self.residual_scale * source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope,
+                                                      attention_mask=None)[0]
 
     def _target_attention(self, layer: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
         module = self.modules.target_attention_class(self.modules.target_config, layer_idx=layer)
@@ -263,7 +270,7 @@ class LayerwiseCalibration:
         H, d, r = target.num_heads, target.v_head_dim, target.kv_lora_rank
         N, L, D = self.hidden.shape
         # the first pass keeps its averaged latents and targets for the second when they are small
-        keep = N * L * (H * r + D) * 4 <= REFIT_CACHE_BYTES
+        keep = refit_cache_bytes(N * L, H, r, D) > 0
         kept = []
         value_moments = ValueMoments(H, d, r, self.device)
         for fold, t, f, y in self._readout_batches(layer, target, source_attention, with_output=keep):
@@ -297,11 +304,12 @@ class LayerwiseCalibration:
             for start in range(0, N, self.batch_size):
                 x = source.input_layernorm(self.hidden[start : start + self.batch_size])  # (b, L, D)
                 b = x.shape[0]
-                t = heads[start : start + b].to(self.device).view(b, L, H, -1).transpose(1, 2)  # (b, H, L, d)
+                batch_heads = heads[start : start + b].to(self.device)  # (b, L, H*d)
+                t = batch_heads.view(b, L, H, -1).transpose(1, 2)  # (b, H, L, d)
                 p_converted = target(x, position_embeddings=self.target_rope, attention_mask=self.causal_mask)[1].float()
                 latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r])  # (b, L, r)
                 f = p_converted @ latent[:, None]  # (b, H, L, r)
-                y = heads[start : start + b].to(self.device) @ o_weight.T if with_output else None  # (b, L, D)
+                y = batch_heads @ o_weight.T if with_output else None  # (b, L, D)
                 for k in (0, 1):
                     fold = slice((start + k) % 2, b, 2)
                     yield k, t[fold], f[fold], None if y is None else y[fold]
@@ -315,7 +323,7 @@ class LayerwiseCalibration:
             x = torch.cat([source.input_layernorm(self.hidden[i : i + self.batch_size])
                            for i in range(0, self.hidden.shape[0], self.batch_size)])
             heads = self._source_heads(layer)
-            y = torch.cat([self._source_output(source, heads[i : i + self.batch_size].to(self.device))
+            y = torch.cat([self._source_output(source, None, heads[i : i + self.batch_size])
                            for i in range(0, heads.shape[0], self.batch_size)])
         # on a CPU, eager softmax with the explicit causal mask (a quarter faster than sdpa for SmolLM2's heads,
         # measured); on a GPU the module's causal sdpa
@@ -336,25 +344,19 @@ class LayerwiseCalibration:
         source = self._source_layer(layer)
         converted = self._target_attention(layer, tensors) if (self.sequential and tensors is not None) else None
         # the source attention's head outputs on the source stream, when the refit or reconstruction computed them
-        heads = self._heads_cache[1] if self._heads_cache is not None and self._heads_cache[0] == layer else None
+        heads = self._cached_heads(layer)
+        own_heads = heads if self.source_hidden is None else None  # this stream's, when it is the one stream
         for start in range(0, self.hidden.shape[0], self.batch_size):
             batch = slice(start, start + self.batch_size)
             h = self.hidden[batch]  # (b, L, D)
             if converted is not None:
                 h = h + converted(source.input_layernorm(h), position_embeddings=self.target_rope, attention_mask=None)[0]
-            elif heads is not None and self.source_hidden is None:  # the one stream: its source attention is cached
-                h = h + self._source_output(source, heads[batch].to(self.device))
             else:
-                h = h + self.residual_scale * source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope,
-                                                               attention_mask=None)[0]
+                h = h + self._source_output(source, h, None if own_heads is None else own_heads[batch])
             self.hidden[batch] = self._add_mlp(source, h)
             if self.source_hidden is not None:
                 h = self.source_hidden[batch]
-                if heads is not None:
-                    h = h + self._source_output(source, heads[batch].to(self.device))
-                else:
-                    h = h + self.residual_scale * source.self_attn(source.input_layernorm(h), position_embeddings=self.source_rope,
-                                                                   attention_mask=None)[0]
+                h = h + self._source_output(source, h, None if heads is None else heads[batch])
                 self.source_hidden[batch] = self._add_mlp(source, h)
         self._heads_cache = None
         self.layer += 1

@@ -2,8 +2,8 @@
 
 A calibrated conversion holds one layer at a time. Its working set is the sum of ``layer_memory``'s terms:
 the calibration hidden states (N sequences × L tokens × D, float32; two streams when the refit or the
-reconstruction needs the source model's own) with the source attention's head outputs (N × L × H·d), the source decoder layer in float32, the per-head moments
-in the K/V row space, the attention probabilities of one batch, the o_proj refit's moments and the
+reconstruction needs the source model's own) with the source attention's head outputs (N × L × H·d),
+the source decoder layer in float32, the per-head moments in the K/V row space, the attention probabilities of one batch, the o_proj refit's moments and the
 reconstruction's copies. When the whole does not fit the budget (``max_memory``, default: the memory
 available when the conversion starts), the hidden states go to a file-backed buffer the kernel pages
 in and out; when even the rest does not fit, the conversion stops before any work with one sentence.
@@ -25,6 +25,13 @@ F32, F64 = 4, 8
 PROBABILITY_BYTES = 512 * 1024**2
 # the refit keeps its first pass's latents and targets for the second when they take at most this much
 REFIT_CACHE_BYTES = 512 * 1024**2
+
+
+def refit_cache_bytes(tokens: int, heads: int, rank: int, hidden: int) -> int:
+    """What the refit keeps of its first pass for the second (averaged latents and targets, float32):
+    their size when at most REFIT_CACHE_BYTES, else 0 (the second pass computes them again)."""
+    size = tokens * (heads * rank + hidden) * F32
+    return size if size <= REFIT_CACHE_BYTES else 0
 
 
 def available_memory() -> int:
@@ -74,9 +81,7 @@ def layer_memory(plan: ConversionPlan) -> dict[str, int]:
     }
     if plan.methods.refit:
         terms["o_proj refit moments"] = (2 * (H * d) ** 2 + 2 * D * H * d) * F64 + 2 * (H * d) ** 2 * F64
-        cache = tokens * (H * r + D) * F32  # the first pass's latents and targets, kept when small (calibration.py)
-        if cache <= REFIT_CACHE_BYTES:
-            terms["refit's kept latents"] = cache
+        terms["refit's kept first pass"] = refit_cache_bytes(tokens, H, plan.kv_lora_rank, D)
     if plan.methods.reconstruct:
         terms["reconstruction inputs and targets"] = 2 * tokens * D * F32
     return terms
