@@ -298,7 +298,7 @@ class LayerwiseCalibration:
         source = self._source_layer(layer)
         heads = self._source_heads(layer)  # (N, L, H*d)
         N, L, _ = self.hidden.shape
-        H, d, r = target.num_heads, target.v_head_dim, target.kv_lora_rank
+        H, r = target.num_heads, target.kv_lora_rank
         o_weight = source_attention.o_weight.float().to(self.device) if with_output else None  # residual multiplier folded in
         with eager_attention(target.config):
             for start in range(0, N, self.batch_size):
