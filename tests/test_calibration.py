@@ -445,8 +445,9 @@ def test_reconstruction_keeps_full_capacity_exact(sources, input_ids, tmp_path, 
 
 
 def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, tmp_path):
-    """At low rank each layer's held-out attention-output error falls (early stopping keeps the best point, so
-    it never rises), and layer 0's reported error equals a direct computation on the written checkpoint."""
+    """At low rank each layer's held-out reconstruction error falls (early stopping keeps the best point, so
+    it never rises), and the reported errors equal a direct computation on the written checkpoint: layer 0's
+    target is the source attention output, layer 1's also carries the residual drift layer 0 left."""
     from mha2mla.convert import reconstruct as module
 
     tokens = torch.randint(0, 384, (32, 64), generator=torch.Generator().manual_seed(8))
@@ -466,13 +467,24 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
     held = tokens[-max(1, round(len(tokens) * module.HELD_OUT_FRACTION)):]
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     target = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    outputs = {}
+    inputs, outputs = {}, {}
     for name, model in (("source", source), ("target", target)):
-        model.model.layers[0].self_attn.register_forward_hook(lambda m, a, out, name=name: outputs.update({name: out[0]}))
+        for i in (0, 1):
+            layer = model.model.layers[i]
+            layer.register_forward_pre_hook(
+                lambda m, args, kwargs, key=(name, i): inputs.update({key: args[0] if args else kwargs["hidden_states"]}),
+                with_kwargs=True)
+            layer.self_attn.register_forward_hook(lambda m, a, out, key=(name, i): outputs.update({key: out[0]}))
         with torch.no_grad():
             model(held)
-    error = ((outputs["target"] - outputs["source"]).pow(2).sum() / outputs["source"].pow(2).sum()).sqrt().item()
-    assert abs(error - layers[0]["reconstruction_error_after"]) < 2e-3, (error, layers[0])
+    for i in (0, 1):
+        drift = inputs[("source", i)] - inputs[("target", i)]
+        assert (drift.abs().max() > 1e-3) == (i == 1)  # layer 0 converted and low rank: layer 1's streams differ
+        wanted = outputs[("source", i)] + drift
+        error = ((outputs[("target", i)] - wanted).pow(2).sum() / wanted.pow(2).sum()).sqrt().item()
+        assert abs(error - layers[i]["reconstruction_error_after"]) < 1e-4, (i, error, layers[i])
+    plain = ((outputs[("target", 1)] - outputs[("source", 1)]).pow(2).sum() / outputs[("source", 1)].pow(2).sum()).sqrt().item()
+    assert abs(plain - layers[1]["reconstruction_error_after"]) > 1e-2  # the drift is really in layer 1's target
 
 
 @pytest.mark.parametrize("weighted", [False, True])

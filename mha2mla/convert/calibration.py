@@ -315,8 +315,10 @@ class LayerwiseCalibration:
                     yield k, t[fold], f[fold], None if y is None else y[fold]
 
     def reconstruct(self, layer: int, tensors: dict[str, torch.Tensor], source_attention: SourceAttention) -> tuple[dict[str, torch.Tensor], dict]:
-        """The converted layer fitted by gradient descent to the source layer's attention output
-        (``reconstruct.py``): inputs from the stream being calibrated, targets from the source stream."""
+        """The converted layer fitted by gradient descent (``reconstruct.py``) on the inputs of the stream being
+        calibrated, towards the source stream's residual after the attention: the source layer's attention
+        output plus the drift the earlier converted layers left in the residual stream, h_source − h_converted
+        (docs/calibration.md, "reconstruction"). Without a second stream there is no drift to take up."""
         source = self._source_layer(layer)
         target = self._target_attention(layer, tensors)
         with torch.no_grad():
@@ -325,6 +327,10 @@ class LayerwiseCalibration:
             heads = self._source_heads(layer)
             y = torch.cat([self._source_output(source, None, heads[i : i + self.batch_size])
                            for i in range(0, heads.shape[0], self.batch_size)])
+            if self.source_hidden is not None:
+                for i in range(0, y.shape[0], self.batch_size):
+                    batch = slice(i, i + self.batch_size)
+                    y[batch] += self.source_hidden[batch].to(self.device) - self.hidden[batch].to(self.device)
         # on a CPU, eager softmax with the explicit causal mask (a quarter faster than sdpa for SmolLM2's heads,
         # measured); on a GPU the module's causal sdpa
         cpu = self.device.type == "cpu"

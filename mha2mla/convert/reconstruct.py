@@ -3,8 +3,10 @@ parameters fitted by gradient descent so that its output matches the source laye
 sequences — the keys and the softmax included, where the closed forms stop.
 
 One layer at a time, as post-training quantisation reconstructs blocks: the inputs x come from the
-converted stream (so the layer also absorbs the earlier layers' error), the targets y from the source
-stream. Adam on a relative squared error, E‖f(x) − y‖² / E‖y‖²; every parameter's step size is
+converted stream, the targets y from the source stream — the source layer's attention output plus the
+drift h_source − h_converted that the earlier converted layers left in the residual stream, so that the
+converted residual after this attention matches the source's where the attention can make it (measured
+better than the attention output alone, and than whole blocks with the MLP: docs/calibration.md). Adam on a relative squared error, E‖f(x) − y‖² / E‖y‖²; every parameter's step size is
 relative to its own RMS, warmed up over ``WARMUP_STEPS`` and decayed to zero by a cosine over
 ``MAX_STEPS``. A part of the sequences is held out: the loss on it is measured every ``EVAL_EVERY``
 steps, the best point is kept (the initial one included, so reconstruction never makes the held-out
@@ -36,7 +38,7 @@ HELD_OUT_FRACTION = 0.125
 @dataclass
 class ReconstructionData:
     x: torch.Tensor  # (N, L, D): the converted stream's attention inputs
-    y: torch.Tensor  # (N, L, D): the source layer's attention outputs (the targets)
+    y: torch.Tensor  # (N, L, D): the targets (the source layer's attention outputs, plus the residual drift)
     position_embeddings: tuple[torch.Tensor, torch.Tensor]  # the target rope (cos, sin) for L positions
     attention_mask: torch.Tensor | None = None  # the causal mask, for eager attention (None: the module's sdpa is causal)
 
