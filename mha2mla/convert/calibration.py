@@ -325,12 +325,14 @@ class LayerwiseCalibration:
             x = torch.cat([source.input_layernorm(self.hidden[i : i + self.batch_size])
                            for i in range(0, self.hidden.shape[0], self.batch_size)])
             heads = self._source_heads(layer)
-            y = torch.cat([self._source_output(source, None, heads[i : i + self.batch_size])
-                           for i in range(0, heads.shape[0], self.batch_size)])
-            if self.source_hidden is not None:
-                for i in range(0, y.shape[0], self.batch_size):
-                    batch = slice(i, i + self.batch_size)
-                    y[batch] += self.source_hidden[batch].to(self.device) - self.hidden[batch].to(self.device)
+            targets = []
+            for i in range(0, heads.shape[0], self.batch_size):
+                batch = slice(i, i + self.batch_size)
+                y = self._source_output(source, None, heads[batch])
+                if self.source_hidden is not None:
+                    y += self.source_hidden[batch] - self.hidden[batch]
+                targets.append(y)
+            y = torch.cat(targets)
         # on a CPU, eager softmax with the explicit causal mask (a quarter faster than sdpa for SmolLM2's heads,
         # measured); on a GPU the module's causal sdpa
         cpu = self.device.type == "cpu"

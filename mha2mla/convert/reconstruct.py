@@ -6,8 +6,8 @@ One layer at a time, as post-training quantisation reconstructs blocks: the inpu
 converted stream, the targets y from the source stream — the source layer's attention output plus the
 drift h_source − h_converted that the earlier converted layers left in the residual stream, so that the
 converted residual after this attention matches the source's where the attention can make it (measured
-better than the attention output alone, and than whole blocks with the MLP: docs/calibration.md). Adam on a relative squared error, E‖f(x) − y‖² / E‖y‖²; every parameter's step size is
-relative to its own RMS, warmed up over ``WARMUP_STEPS`` and decayed to zero by a cosine over
+better than the attention output alone, and than whole blocks with the MLP: docs/calibration.md). Adam on
+a relative squared error, E‖f(x) − y‖² / E‖y‖²; every parameter's step size is relative to its own RMS, warmed up over ``WARMUP_STEPS`` and decayed to zero by a cosine over
 ``MAX_STEPS``. A part of the sequences is held out: the loss on it is measured every ``EVAL_EVERY``
 steps, the best point is kept (the initial one included, so reconstruction never makes the held-out
 error worse) and the loop stops after ``PATIENCE`` measurements without a gain. What the profile must
