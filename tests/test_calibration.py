@@ -463,6 +463,8 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
     assert all(layer["reconstruction_error_after"] < layer["reconstruction_error"] for layer in layers), [
         (layer["reconstruction_error"], layer["reconstruction_error_after"]) for layer in layers]
     assert layers[0]["reconstruction_error_after"] < 0.99 * layers[0]["reconstruction_error"]
+    # no massive activations in this model (the next test has them): the drift below is every token's
+    assert [layer["reconstruction_massive_tokens"] for layer in layers] == [0] * len(layers)
     # the held-out sequences are the last ones; layer 0 sees the embeddings in both streams
     held = tokens[-max(1, round(len(tokens) * module.HELD_OUT_FRACTION)):]
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -485,6 +487,38 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
         assert abs(error - layers[i]["reconstruction_error_after"]) < 1e-4, (i, error, layers[i])
     plain = ((outputs[("target", 1)] - outputs[("source", 1)]).pow(2).sum() / outputs[("source", 1)].pow(2).sum()).sqrt().item()
     assert abs(plain - layers[1]["reconstruction_error_after"]) > 1e-2  # the drift is really in layer 1's target
+
+
+def test_reconstruction_target_leaves_out_the_drift_of_massive_activations(sources, monkeypatch):
+    """The target is the source attention output plus the drift h_source − h_converted, except at tokens whose
+    source residual norm passes MASSIVE_NORM_RATIO × the median (attention sinks): there the source attention
+    output alone. Checked on the targets handed to the reconstruction loop."""
+    from mha2mla.convert import calibration
+    from mha2mla.convert.attention import convert_attention
+    from mha2mla.convert.reconstruct import MASSIVE_NORM_RATIO
+    from mha2mla.convert.source import SourceReader
+
+    tokens = torch.randint(0, 384, (8, 32), generator=torch.Generator().manual_seed(13))
+    cal = provider(sources["llama_gqa"], tokens, sequential=True, kv_budget=0.5)
+    stats = cal.statistics(0)
+    source = SourceReader(cal.ckpt, cal.family, cal.plan).attention(0, stats)
+    tensors = convert_attention(source, cal.plan, stats).tensors
+    generator = torch.Generator().manual_seed(14)
+    cal.source_hidden.add_(0.3 * cal.hidden.std() * torch.randn(cal.hidden.shape, generator=generator))  # drift everywhere
+    cal.source_hidden[:, 0] *= 2 * MASSIVE_NORM_RATIO  # every sequence's first token: a massive activation
+    cal.source_hidden[3, 5] *= 0.8 * MASSIVE_NORM_RATIO  # large, but under the ratio: its drift stays
+    captured = {}
+    monkeypatch.setattr(calibration, "reconstruct", lambda module, data, exact: captured.update(y=data.y.clone()) or {})
+    _, report = cal.reconstruct(0, tensors, source)
+    assert report["reconstruction_massive_tokens"] == len(tokens)
+    layer = cal._source_layer(0)
+    with torch.no_grad():
+        attention = cal.residual_scale * layer.self_attn(layer.input_layernorm(cal.source_hidden), position_embeddings=cal.source_rope,
+                                                         attention_mask=None)[0]
+    drift = cal.source_hidden - cal.hidden
+    torch.testing.assert_close(captured["y"][:, 0], attention[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(captured["y"][:, 1:], attention[:, 1:] + drift[:, 1:], rtol=1e-5, atol=1e-5)
+    assert drift[:, 0].norm() > attention[:, 0].norm()  # leaving it out made a real difference
 
 
 @pytest.mark.parametrize("weighted", [False, True])

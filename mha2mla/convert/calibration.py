@@ -30,7 +30,7 @@ from mha2mla.convert.layer import SourceAttention
 from mha2mla.convert.lowrank import row_space_basis
 from mha2mla.convert.memory import calibration_batch, check_budget, host_buffer, refit_cache_bytes
 from mha2mla.convert.plan import ConversionPlan
-from mha2mla.convert.reconstruct import ReconstructionData, reconstruct
+from mha2mla.convert.reconstruct import ReconstructionData, massive_tokens, reconstruct
 from mha2mla.convert.refit import OutputMoments, ValueMoments
 from mha2mla.convert.source import SourceReader
 from mha2mla.convert.stats import LayerStatistics
@@ -325,12 +325,14 @@ class LayerwiseCalibration:
             x = torch.cat([source.input_layernorm(self.hidden[i : i + self.batch_size])
                            for i in range(0, self.hidden.shape[0], self.batch_size)])
             heads = self._source_heads(layer)
+            # an attention sink's drift is left out: the attention cannot cancel it, and it would dominate the loss
+            massive = None if self.source_hidden is None else massive_tokens(self.source_hidden).to(self.device)
             targets = []
             for i in range(0, heads.shape[0], self.batch_size):
                 batch = slice(i, i + self.batch_size)
                 y = self._source_output(source, None, heads[batch])
                 if self.source_hidden is not None:
-                    y += self.source_hidden[batch] - self.hidden[batch]
+                    y += (self.source_hidden[batch] - self.hidden[batch]) * ~massive[batch, :, None]
                 targets.append(y)
             y = torch.cat(targets)
         # on a CPU, eager softmax with the explicit causal mask (a quarter faster than sdpa for SmolLM2's heads,
@@ -339,6 +341,7 @@ class LayerwiseCalibration:
         data = ReconstructionData(x, y, self.target_rope, self.causal_mask if cpu else None)
         with eager_attention(*([target.config] if cpu else [])):
             report = reconstruct(target, data, exact=self.plan.profile == "exact")
+        report["reconstruction_massive_tokens"] = 0 if massive is None else int(massive.sum())
         state = target.state_dict()
         return {name: state[name].to(tensor.dtype).cpu() for name, tensor in tensors.items()}, report
 

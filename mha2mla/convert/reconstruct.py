@@ -34,6 +34,11 @@ BATCH_SEQUENCES = 4
 # beat 120 (docs/benchmarks.md, "reconstruction")
 LEARNING_RATE = 8e-3
 HELD_OUT_FRACTION = 0.125
+# a token whose source residual norm passes this multiple of the layer's median token norm carries a massive
+# activation — an attention sink: in SmolLM2 every window's first token is 40–200× the median in layers 12–28
+# (and one other token of the 32,768), while no token passes 12× before. Its drift is left out of the target:
+# the attention cannot cancel it, and it would dominate the loss (docs/calibration.md, "reconstruction")
+MASSIVE_NORM_RATIO = 20.0
 
 
 @dataclass
@@ -42,6 +47,14 @@ class ReconstructionData:
     y: torch.Tensor  # (N, L, D): the targets (the source layer's attention outputs, plus the residual drift)
     position_embeddings: tuple[torch.Tensor, torch.Tensor]  # the target rope (cos, sin) for L positions
     attention_mask: torch.Tensor | None = None  # the causal mask, for eager attention (None: the module's sdpa is causal)
+
+
+@torch.no_grad()
+def massive_tokens(source_hidden: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """(N, L) bool: the tokens of the source stream ``source_hidden`` (N, L, D) whose norm passes
+    ``MASSIVE_NORM_RATIO`` times the median token norm."""
+    norms = torch.cat([source_hidden[i : i + chunk].norm(dim=-1) for i in range(0, source_hidden.shape[0], chunk)])
+    return norms > MASSIVE_NORM_RATIO * norms.median()
 
 
 def _trainable(module: torch.nn.Module, exact: bool) -> tuple[list[torch.nn.Parameter], dict[str, torch.Tensor]]:
