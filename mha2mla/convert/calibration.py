@@ -317,8 +317,9 @@ class LayerwiseCalibration:
     def reconstruct(self, layer: int, tensors: dict[str, torch.Tensor], source_attention: SourceAttention) -> tuple[dict[str, torch.Tensor], dict]:
         """The converted layer fitted by gradient descent (``reconstruct.py``) on the inputs of the stream being
         calibrated, towards the source stream's residual after the attention: the source layer's attention
-        output plus the drift the earlier converted layers left in the residual stream, h_source − h_converted
-        (docs/calibration.md, "reconstruction"). Without a second stream there is no drift to take up."""
+        output plus the drift the earlier converted layers left in the residual stream, h_source − h_converted,
+        except at attention sinks (docs/calibration.md, "reconstruction"). Without a second stream there is no
+        drift to take up."""
         source = self._source_layer(layer)
         target = self._target_attention(layer, tensors)
         with torch.no_grad():
@@ -331,7 +332,7 @@ class LayerwiseCalibration:
             for i in range(0, heads.shape[0], self.batch_size):
                 batch = slice(i, i + self.batch_size)
                 y = self._source_output(source, None, heads[batch])
-                if self.source_hidden is not None:
+                if massive is not None:
                     y += (self.source_hidden[batch] - self.hidden[batch]) * ~massive[batch, :, None]
                 targets.append(y)
             y = torch.cat(targets)

@@ -4,9 +4,9 @@ A calibrated conversion holds one layer at a time. Its working set is the sum of
 the calibration hidden states (N sequences × L tokens × D, float32; two streams when the refit or the
 reconstruction needs the source model's own) with the source attention's head outputs (N × L × H·d),
 the source decoder layer in float32, the per-head moments in the K/V row space, the attention
-probabilities of one batch, the o_proj refit's moments and the reconstruction's copies. When the whole does not fit the budget (``max_memory``, default: the memory
-available when the conversion starts), the hidden states go to a file-backed buffer the kernel pages
-in and out; when even the rest does not fit, the conversion stops before any work with one sentence.
+probabilities of one batch, the o_proj refit's moments and the reconstruction's copies. When the whole
+does not fit the budget (``max_memory``, default: the memory available when the conversion starts), the
+hidden states go to a file-backed buffer the kernel pages in and out; when even the rest does not fit, the conversion stops before any work with one sentence.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ One layer at a time, as post-training quantisation reconstructs blocks: the inpu
 converted stream, the targets y from the source stream — the source layer's attention output plus the
 drift h_source − h_converted that the earlier converted layers left in the residual stream, so that the
 converted residual after this attention matches the source's where the attention can make it (measured
-better than the attention output alone, and than whole blocks with the MLP: docs/calibration.md). Adam on
-a relative squared error, E‖f(x) − y‖² / E‖y‖²; every parameter's step size is relative to its own RMS, warmed up over ``WARMUP_STEPS`` and decayed to zero by a cosine over
-``MAX_STEPS``. A part of the sequences is held out: the loss on it is measured every ``EVAL_EVERY``
+better than the attention output alone, and than whole blocks with the MLP: docs/calibration.md) — except
+at attention sinks (``MASSIVE_NORM_RATIO``), whose drift is left out. Adam on a relative squared error,
+E‖f(x) − y‖² / E‖y‖²; every parameter's step size is relative to its own RMS, warmed up over
+``WARMUP_STEPS`` and decayed to zero by a cosine over ``MAX_STEPS``. A part of the sequences is held out: the loss on it is measured every ``EVAL_EVERY``
 steps, the best point is kept (the initial one included, so reconstruction never makes the held-out
 error worse) and the loop stops after ``PATIENCE`` measurements without a gain. What the profile must
 keep fixed stays fixed: in the exact profile the constant channel (its kv_a row and bias) and the
@@ -35,9 +36,10 @@ BATCH_SEQUENCES = 4
 LEARNING_RATE = 8e-3
 HELD_OUT_FRACTION = 0.125
 # a token whose source residual norm passes this multiple of the layer's median token norm carries a massive
-# activation — an attention sink: in SmolLM2 every window's first token is 40–200× the median in layers 12–28
-# (and one other token of the 32,768), while no token passes 12× before. Its drift is left out of the target:
-# the attention cannot cancel it, and it would dominate the loss (docs/calibration.md, "reconstruction")
+# activation — an attention sink: in SmolLM2 every window's first token passes it in layers 12–28 (39–217× the
+# median where measured), with one other token per layer of the 32,768, and no token passes it before layer
+# 12. Its drift is left out of the target: the attention cannot cancel it, and it would dominate the loss
+# (docs/calibration.md, "reconstruction")
 MASSIVE_NORM_RATIO = 20.0
 
 
