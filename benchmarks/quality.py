@@ -118,7 +118,7 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
 
     methods = method_set(method, profile)
     calibration = {"calib": args.calib, "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
-    options = dict(profile=profile, kv_budget=budget, **calibration)
+    options = dict(profile=profile, kv_budget=budget, rope_stride=args.rope_stride, **calibration)
     if rope_dim is not None or args.full_rank:  # the same total cache as the budget, another rope/rank split
         ckpt = open_source(source)
         plan = make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(**options), methods=methods)
@@ -138,7 +138,8 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
     layers = result.report["layers"]
     return {
         "budget": budget, "method": method, "profile": profile,
-        "rope_dim": result.plan.rope_dim, "kv_lora_rank": result.plan.kv_lora_rank,
+        "rope_dim": result.plan.rope_dim, "kv_lora_rank": result.plan.kv_lora_rank, "rope_pairs": list(result.plan.rope_pairs),
+        "calib_samples": None if result.plan.calibration is None else result.plan.calibration.samples,
         "values_per_token_per_layer": result.plan.rope_dim + result.plan.kv_lora_rank,
         "methods": result.report["methods"], "convert_seconds": round(seconds, 1),
         "statistics": "precomputed (source activations)" if statistics is not None else "in convert",
@@ -226,8 +227,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profiles", nargs="+", default=["exact", "portable"], choices=["exact", "portable"])
     parser.add_argument("--rope-dims", type=int, nargs="+", default=None, help="rope/rank splits to sweep (same total)")
     parser.add_argument("--full-rank", action="store_true", help="keep the full latent rank (measures the rope cut alone)")
+    parser.add_argument("--rope-stride", type=int, default=None, help="keep every s-th rope pair (default: the plan's choice)")
     parser.add_argument("--calib", default="default")
-    parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default: the product's)")
     parser.add_argument("--calib-seq-len", type=int, default=256)
     parser.add_argument("--slices", nargs="+", default=list(SLICES), choices=list(SLICES))
     parser.add_argument("--windows", type=int, default=32, help="512-token windows per slice (32 = the acceptance slices)")

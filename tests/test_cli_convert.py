@@ -25,7 +25,7 @@ def test_convert_and_inspect(source, tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, _ = run_cli(["convert", source, out, "--kv-budget", "0.25", "--no-progress"], capsys)
     assert code == 0 and "KV cache per token" in stdout
-    assert "method: calibrated on the bundled sample, 128 x 256 tokens" in stdout  # the default is the best method
+    assert "method: calibrated on the bundled sample, 256 x 256 tokens" in stdout  # the default is the best method
     assert "calibrated on the bundled sample" in (out / "README.md").read_text()
     assert (out / "config.json").exists()
     code, stdout, _ = run_cli(["inspect", source, "--json"], capsys)

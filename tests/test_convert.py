@@ -245,6 +245,46 @@ def test_kept_rope_pairs_map_exactly_onto_plain_rope(sources, tmp_path):
         assert math.isclose(high.plan.target_rope_theta ** (-2 * j / 8), 10000.0 ** (-2 * pair / HEAD_DIM), rel_tol=1e-9)
 
 
+def test_every_other_rope_pair_is_kept_exactly_and_chosen_for_small_rope_keys(sources, tmp_path):
+    """rope_stride s keeps pairs 0, s, 2s, … at base' = base^(s·d_r/d): the same frequencies exactly. The plan
+    takes s = 2 when the rope key has at most a quarter of the rotating dims, and refuses a stride that runs
+    past them."""
+    from mha2mla import UserError
+
+    source = sources["llama_mqa"]
+    every_other = convert(source, tmp_path / "a", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=8, rope_stride=2),
+                          dry_run=True)
+    assert every_other.plan.rope_pairs == (0, 2, 4, 6)
+    for j, pair in enumerate(every_other.plan.rope_pairs):
+        assert math.isclose(every_other.plan.target_rope_theta ** (-2 * j / 8), 10000.0 ** (-2 * pair / HEAD_DIM), rel_tol=1e-9)
+    assert convert(source, tmp_path / "b", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=4), dry_run=True).plan.rope_pairs == (0, 2)
+    assert convert(source, tmp_path / "c", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=6), dry_run=True).plan.rope_pairs == (0, 1, 2)
+    with pytest.raises(UserError, match="use a stride from 1 to 2"):
+        convert(source, tmp_path / "d", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=8, rope_stride=3), dry_run=True)
+
+
+def test_a_rope_stride_keeps_the_source_exact_where_the_skipped_pairs_carry_nothing(tmp_path, input_ids):
+    """An MQA source whose keys are zero at the odd pairs, converted at full rank with rope 8 of 16 dims: every
+    other pair (0, 2, 4, 6) keeps every rotation the source uses, so the logits are the source's; the four
+    fastest pairs (0–3) drop the rotations of pairs 4 and 6, and are not."""
+    from safetensors.torch import load_file, save_file
+
+    source = build_source(tmp_path / "src", "llama", num_heads=4, num_kv_heads=1)
+    tensors = load_file(str(source / "model.safetensors"))
+    odd = [row for pair in range(1, HEAD_DIM // 2, 2) for row in (pair, pair + HEAD_DIM // 2)]  # half-split rows
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.k_proj.weight"][odd] = 0
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    errors = {}
+    for stride in (2, 1):
+        out = tmp_path / f"stride{stride}"
+        convert(source, out, ConvertOptions(calib=None, profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=8,
+                                            rope_stride=stride), progress=False)
+        errors[stride] = (logits(out, input_ids) - logits(source, input_ids)).abs().max().item()
+    assert errors[2] < 1e-4, errors
+    assert errors[1] > 1e-2, errors
+
+
 def test_dry_run_writes_nothing(sources, tmp_path):
     out = tmp_path / "out"
     result = convert(sources["llama_gqa"], out, ConvertOptions(kv_budget=0.125), dry_run=True)

@@ -65,6 +65,7 @@ def test_the_estimate_at_70b_widths_fits_24_gib_and_shrinks_the_moments():
               "num_key_value_heads": 8, "intermediate_size": 28672, "num_hidden_layers": 80, "vocab_size": 128256,
               "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "rope_theta": 500000.0}
     plan = make_plan(config, family_for_config(config), ConvertOptions(kv_budget=0.3125))
+    assert plan.calibration.samples == 128  # wide models keep 128 windows (256 below hidden size 4096)
     terms = memory.layer_memory(plan)
     assert terms["per-head moments"] == 2 * 64 * 2048**2 * 4 + 2 * 8192**2 * 8  # (H, m, m) float32 ×2, (D, D) float64
     single_pass = 2 * (64 * plan.latent_rank) ** 2 * 8  # moments of the latents themselves: (H·r)² per fold

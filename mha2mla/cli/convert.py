@@ -27,7 +27,7 @@ def convert_command(
     rope_dim: Optional[int] = typer.Option(None, help="qk_rope_head_dim: size of the shared rope key (with --kv-lora-rank)."),
     dtype: Optional[Dtype] = typer.Option(None, help="Output dtype: auto (the source's, the default), float32, bfloat16 or float16."),
     calib: Optional[str] = typer.Option(None, metavar="TEXT", help="Calibration text: `default` (the bundled sample, the default), a .txt/.jsonl/.parquet file, a folder or a dataset id; `none` for the fast weight-only path (poor quality without `mha2mla recover`)."),
-    calib_samples: Optional[int] = typer.Option(None, metavar="N", help="Calibration sequences of 256 tokens (default 128; `calib_seq_len` in a recipe sets their length)."),
+    calib_samples: Optional[int] = typer.Option(None, metavar="N", help="Calibration sequences of 256 tokens (default 256, 128 past hidden size 4096; fewer is faster and worse; `calib_seq_len` in a recipe sets their length)."),
     calib_device: Optional[str] = typer.Option(None, metavar="DEVICE", help="Device for calibration (cpu, cuda, cuda:1; default cuda if available)."),
     reconstruct: Optional[bool] = typer.Option(None, "--reconstruct/--no-reconstruct", help="Fit each calibrated layer to the source layer by gradient descent (the default; --no-reconstruct is faster and worse, docs/calibration.md)."),
     recipe: Optional[Path] = typer.Option(None, help="A recipe YAML holding these options (flags given here win)."),

@@ -26,10 +26,13 @@ class ConvertOptions(BaseModel):
     kv_budget: float | None = Field(None, description="fraction of the source's KV values per token per layer")
     kv_lora_rank: int | None = Field(None, description="the config's kv_lora_rank (extra latent channels included)")
     rope_dim: int | None = Field(None, description="qk_rope_head_dim, the shared rope key's size")
+    rope_stride: int | None = Field(None, description="keep every s-th source rope pair from the fastest (default: the "
+                                    "plan's measured choice, docs/calibration.md \"rope pairs\")")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     calib: str | None = Field("default", description="calibration text: `default` (bundled sample), a file, folder or "
                               "dataset id; None or `none` for the fast weight-only path (poor without recovery)")
-    calib_samples: int = 128
+    calib_samples: int | None = Field(None, description="calibration windows (default: 256; 128 past hidden size "
+                                     "4096, so that one layer's working set at 70B widths stays under 24 GiB)")
     calib_seq_len: int = 256
     calib_device: str | None = Field(None, description="device for calibration forwards (default: cuda if available)")
     reconstruct: bool = Field(True, description="fit each calibrated layer to the source layer by gradient descent "
@@ -55,7 +58,7 @@ class ConvertOptions(BaseModel):
             raise ValueError("must be a fraction in (0, 1]")
         return value
 
-    @field_validator("kv_lora_rank", "rope_dim", "calib_samples", "calib_seq_len", "max_memory")
+    @field_validator("kv_lora_rank", "rope_dim", "rope_stride", "calib_samples", "calib_seq_len", "max_memory")
     @classmethod
     def _positive(cls, value):
         if value is not None and value <= 0:

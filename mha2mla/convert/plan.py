@@ -14,7 +14,7 @@ from mha2mla import UserError
 from mha2mla.convert.engines import Engine, engine, engine_shape
 from mha2mla.convert.methods import Methods, product_methods
 from mha2mla.convert.options import ConvertOptions
-from mha2mla.convert.rope import kept_pairs, target_rope_theta, validate_rope_dim
+from mha2mla.convert.rope import default_rope_stride, kept_pairs, target_rope_theta, validate_rope_dim
 from mha2mla.families import Family
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,18 @@ def _attention_factor(rope: dict, config: dict) -> float:
     original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
     factor = rope.get("factor") or (config.get("max_position_embeddings", original) / original)
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+# calibration windows by default: 256 measured better than 128 with reconstruction (SmolLM2 at 31.25% / 18.75%:
+# docs/benchmarks.md, "reconstruction"); wider models keep 128, so that one layer's working set at 70B widths
+# stays under 24 GiB (docs/calibration.md, "memory")
+CALIB_SAMPLES = 256
+CALIB_SAMPLES_WIDE = 128
+WIDE_HIDDEN_SIZE = 4096
+
+
+def default_calib_samples(hidden_size: int) -> int:
+    return CALIB_SAMPLES if hidden_size <= WIDE_HIDDEN_SIZE else CALIB_SAMPLES_WIDE
 
 
 def default_rope_dim(total_values: int, rotating_dims: int) -> int:
@@ -307,9 +319,11 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
     biases = {p: family.has_bias(p, config) for p in "qkvo"}
     untie = options.untie_embeddings if options.untie_embeddings is not None else not exact
     untie = untie or shape.embedding_scale != 1.0 or shape.logits_scale != 1.0  # tied weights would carry one scale
+    stride = options.rope_stride or default_rope_stride(shape.rotating_dims, rope_dim)
     calibration = None
     if methods.needs_statistics and not external_statistics:
-        calibration = CalibrationSettings(options.calib, options.calib_samples, options.calib_seq_len, options.calib_device,
+        samples = options.calib_samples or default_calib_samples(shape.hidden_size)
+        calibration = CalibrationSettings(options.calib, samples, options.calib_seq_len, options.calib_device,
                                           options.max_memory)
     return ConversionPlan(
         family=family.name,
@@ -318,8 +332,8 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
         shape=shape,
         rope_dim=rope_dim,
         v_head_dim=v_head_dim,
-        rope_pairs=tuple(kept_pairs(shape.rotating_dims, rope_dim)),
-        target_rope_theta=target_rope_theta(shape.rope_theta, shape.rotating_dims, rope_dim),
+        rope_pairs=tuple(kept_pairs(shape.rotating_dims, rope_dim, stride)),
+        target_rope_theta=target_rope_theta(shape.rope_theta, shape.rotating_dims, rope_dim, stride),
         latent_rank=kv_lora_rank - methods.extra_channels,
         kv_lora_rank=kv_lora_rank,
         dtype=_output_dtype(config, options, source_format, rules),

@@ -3,9 +3,10 @@
 Source layout (Hugging Face "half-split"): in a head of dimension d whose first R dims rotate (R = d,
 or d × partial_rotary_factor), rotation pair i is the dims (i, i + R/2), rotated at frequency
 base^(-2i/R); dims R … d never rotate (already NoPE). The target has d_r/2 pairs on ONE rope key
-shared by every query head. The kept pairs are the d_r/2 fastest (pairs 0 … d_r/2 − 1), which map
-onto plain rope exactly with base' = base^(d_r/R) (keeping every s-th pair instead measured far
-worse, docs/calibration.md, and was removed).
+shared by every query head. The kept pairs are every s-th one from the fastest (pairs 0, s, 2s, …,
+s·(d_r/2 − 1)), which map onto plain rope exactly with base' = base^(s·d_r/R). The plan keeps s = 2 when
+the rope key has at most a quarter of the rotating dims and s = 1 above (measured with reconstruction,
+docs/calibration.md, "rope pairs").
 
 For each kept source pair i the G KV heads' 2-D key components are mixed by an orthogonal G×G
 matrix U (the same U on both components of the pair, so it commutes with the rotation). Mixed
@@ -27,15 +28,30 @@ def validate_rope_dim(rotary_dim: int, rope_dim: int) -> None:
                         f"not {rope_dim}.")
 
 
-def kept_pairs(rotary_dim: int, rope_dim: int) -> list[int]:
-    """Source pair indices kept as rope, in target order (target pair j <- source pair j)."""
+def validate_rope_stride(rotary_dim: int, rope_dim: int, stride: int) -> None:
+    pairs = rope_dim // 2
+    if stride < 1 or stride * (pairs - 1) >= rotary_dim // 2:
+        largest = (rotary_dim // 2 - 1) // max(1, pairs - 1) if pairs > 1 else rotary_dim // 2
+        raise UserError(f"rope_stride {stride} does not fit: {pairs} rope pairs taken every {stride}th would pass the "
+                        f"{rotary_dim // 2} pairs a head rotates; use a stride from 1 to {largest}.")
+
+
+def default_rope_stride(rotary_dim: int, rope_dim: int) -> int:
+    """Every other pair when the rope key has at most a quarter of the dims that rotate, else the fastest pairs
+    (measured on SmolLM2 with reconstruction: docs/calibration.md, "rope pairs")."""
+    return 2 if 4 * rope_dim <= rotary_dim and rope_dim >= 4 else 1
+
+
+def kept_pairs(rotary_dim: int, rope_dim: int, stride: int = 1) -> list[int]:
+    """Source pair indices kept as rope, in target order (target pair j <- source pair stride·j)."""
     validate_rope_dim(rotary_dim, rope_dim)
-    return list(range(rope_dim // 2))
+    validate_rope_stride(rotary_dim, rope_dim, stride)
+    return [stride * j for j in range(rope_dim // 2)]
 
 
-def target_rope_theta(base: float, rotary_dim: int, rope_dim: int) -> float:
-    """base' such that base'^(-2j/d_r) equals the source frequency base^(-2j/R) of kept pair j."""
-    return float(base) ** (rope_dim / rotary_dim)
+def target_rope_theta(base: float, rotary_dim: int, rope_dim: int, stride: int = 1) -> float:
+    """base' such that base'^(-2j/d_r) equals the source frequency base^(-2·stride·j/R) of kept pair j."""
+    return float(base) ** (stride * rope_dim / rotary_dim)
 
 
 def pair_rows(rotary_dim: int, pair: int) -> tuple[int, int]:

@@ -21,8 +21,8 @@ def deepseek_config(plan: ConversionPlan, source_config: dict, padded: bool = Tr
     if plan.keeps_rope_scaling:
         # per-frequency scaling (llama3, linear, longrope's factor lists) maps onto the kept pairs exactly; the
         # target's rope head rotates in full (no partial factor), and its lists hold the kept pairs only
-        pairs = len(plan.rope_pairs)
-        rope = {key: (value[:pairs] if isinstance(value, list) else value) for key, value in source_rope.items()
+        rope = {key: ([value[pair] for pair in plan.rope_pairs] if isinstance(value, list) else value)
+                for key, value in source_rope.items()
                 if key not in ("partial_rotary_factor", "type")}
         rope["rope_theta"] = plan.target_rope_theta
     tie = bool(source_config.get("tie_word_embeddings", False)) and not plan.untie_embeddings
