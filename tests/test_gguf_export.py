@@ -210,8 +210,9 @@ def test_exact_profile_and_unconverted_models_are_refused(tmp_path_factory, mode
 
 def test_out_is_written_atomically(model, tmp_path, monkeypatch):
     out = tmp_path / "model.gguf"
-    out.write_bytes(b"previous")
-    with pytest.raises(UserError, match="already exists"):
+    export_gguf(model, out, "f32")
+    previous = out.read_bytes()
+    with pytest.raises(UserError, match="pass --force"):
         export_gguf(model, out)
     calls, encode = [], export_module.encode
 
@@ -224,7 +225,7 @@ def test_out_is_written_atomically(model, tmp_path, monkeypatch):
     monkeypatch.setattr(export_module, "encode", failing)
     with pytest.raises(RuntimeError, match="disk full"):
         export_gguf(model, out, force=True)
-    assert out.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+    assert out.read_bytes() == previous and sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
     monkeypatch.undo()
     export_gguf(model, out, "f16", force=True)
     assert fields(gguf.GGUFReader(out))["general.architecture"] == "deepseek2"

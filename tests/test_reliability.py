@@ -265,6 +265,36 @@ CASES = [
 RECOVER_CASES = [recover_out_is_the_model, recover_out_is_the_current_folder]
 
 
+# export-gguf: (tmp, converted model) -> (arguments, folder to run in or None, words the one sentence must hold).
+def export_over_the_models_own_weights(tmp, converted):
+    model = _copy(converted, tmp / "model")
+    return ["export-gguf", model, model / "model.safetensors", "--force"], None, "inside the model being exported"
+
+
+def export_over_a_users_file(tmp, converted):
+    (tmp / "thesis.txt").write_text("years of work\n")
+    return ["export-gguf", converted, tmp / "thesis.txt", "--force"], None, "not a GGUF written by mha2mla"
+
+
+def export_into_a_read_only_folder(tmp, converted):
+    return ["export-gguf", converted, _read_only_folder(tmp / "ro") / "x.gguf"], None, "cannot write into"
+
+
+def export_over_a_folder(tmp, converted):
+    (tmp / "out.gguf").mkdir()
+    return ["export-gguf", converted, tmp / "out.gguf", "--force"], None, "is a folder"
+
+
+def export_over_a_symlink(tmp, converted):
+    (tmp / "real.gguf").write_bytes(b"GGUF")
+    (tmp / "out.gguf").symlink_to(tmp / "real.gguf")
+    return ["export-gguf", converted, tmp / "out.gguf", "--force"], None, "symbolic link"
+
+
+EXPORT_CASES = [export_over_the_models_own_weights, export_over_a_users_file, export_into_a_read_only_folder,
+                export_over_a_folder, export_over_a_symlink]
+
+
 def _refused(args, cwd, needle, root: Path, capsys, monkeypatch) -> None:
     if cwd is not None:
         monkeypatch.chdir(cwd)
@@ -289,6 +319,39 @@ def test_recover_refused_with_one_sentence(case, mla_model, tmp_path, capsys, mo
     before = snapshot(mla_model)
     _refused(args, cwd, needle, tmp_path, capsys, monkeypatch)
     assert snapshot(mla_model) == before
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """A portable conversion of the tiny source, the input export-gguf accepts."""
+    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.convert.pipeline import convert
+
+    base = tmp_path_factory.mktemp("converted")
+    source = build_source(base / "src", "llama", num_heads=4, num_kv_heads=2, with_tokenizer=False)
+    tiny_tokenizer(384).save_pretrained(source)  # large enough to have BPE merges, which llama.cpp needs
+    out = base / "mla"
+    convert(source, out, ConvertOptions(calib="none"), progress=False)
+    return out
+
+
+@pytest.mark.parametrize("case", EXPORT_CASES, ids=lambda case: case.__name__)
+def test_export_refused_with_one_sentence(case, converted, tmp_path, capsys, monkeypatch, stderr_logging):
+    args, cwd, needle = case(tmp_path, converted)
+    before = snapshot(converted)
+    _refused(args, cwd, needle, tmp_path, capsys, monkeypatch)
+    assert snapshot(converted) == before
+
+
+def test_export_force_replaces_only_its_own_gguf(converted, tmp_path, capsys):
+    out = tmp_path / "model.gguf"
+    code, _, err = run_cli(["export-gguf", converted, out, "--type", "f32"], capsys)
+    assert code == 0, err
+    first = out.read_bytes()
+    code, _, err = run_cli(["export-gguf", converted, out, "--type", "f16", "--force"], capsys)
+    assert code == 0, err
+    assert out.read_bytes() != first and sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
 
 
 def _convert(model: Path, out: Path, capsys, *extra) -> str:

@@ -10,8 +10,6 @@ unchanged. Tensors are streamed one at a time into a temporary file that is rena
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +21,14 @@ import torch
 from mha2mla import UserError, __version__
 from mha2mla.convert.portable import check_portable_folder
 from mha2mla.export.vocab import read_vocab
+from mha2mla.io.output import check_file_destination, staged_file
 from mha2mla.io.reader import LazyCheckpoint
 
 log = logging.getLogger(__name__)
 
 ARCH = "deepseek2"
+# The start of general.description in every GGUF export-gguf writes; --force replaces only such files.
+DESCRIPTION_PREFIX = "MLA conversion written by mha2mla"
 Q = gguf.GGMLQuantizationType
 # --type choices: the float types and the block quantisations the gguf package can write (gguf.quants).
 TENSOR_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0,
@@ -76,20 +77,14 @@ def export_gguf(model_folder: str | Path, out_path: str | Path, tensor_type: str
     folder, out = Path(model_folder), Path(out_path)
     if tensor_type not in TENSOR_TYPES:
         raise UserError(f"unknown --type {tensor_type!r}; choose one of {', '.join(TENSOR_TYPES)}.")
-    if out.is_dir():
-        raise UserError(f"{out} is a folder; give the path of the .gguf file to write.")
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists; choose another OUT or pass --force to replace it.")
+    check_file_destination(out, [("the model being exported", folder)], force=force, is_ours_file=written_by_mha2mla,
+                           kind="GGUF")
     ckpt = LazyCheckpoint(folder)
     check_exportable(folder, ckpt.config)
     dims = Dims.from_config(ckpt.config)
     vocab = read_vocab(folder, dims.vocab, pre_tokenizer)
     plans = tensor_plans(ckpt, dims, TENSOR_TYPES[tensor_type])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(handle)
-    tmp = Path(tmp_name)
-    try:
+    with staged_file(out) as tmp:
         writer = gguf.GGUFWriter(tmp, ARCH)
         try:
             write_metadata(writer, ckpt.config, dims, tensor_type, folder.name)
@@ -97,17 +92,19 @@ def export_gguf(model_folder: str | Path, out_path: str | Path, tensor_type: str
             _write_tensors(writer, plans)
         finally:
             writer.close()
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out
 
 
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
+def written_by_mha2mla(path: Path) -> bool:
+    """True when ``path`` is a GGUF whose description says mha2mla's export-gguf wrote it (what --force may replace)."""
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"GGUF":
+                return False
+        field = gguf.GGUFReader(path).get_field("general.description")
+        return field is not None and field.contents().startswith(DESCRIPTION_PREFIX)
+    except Exception:  # unreadable or not a GGUF: never ours
+        return False
 
 
 def check_exportable(folder: Path, config: dict) -> None:
@@ -161,7 +158,7 @@ def metadata(config: dict, dims: Dims) -> dict[str, tuple[object, gguf.GGUFValue
 
 def write_metadata(writer: gguf.GGUFWriter, config: dict, dims: Dims, tensor_type: str, name: str) -> None:
     writer.add_name(name)
-    writer.add_description(f"MLA conversion written by mha2mla {__version__} export-gguf")
+    writer.add_description(f"{DESCRIPTION_PREFIX} {__version__} export-gguf")
     writer.add_file_type(FILE_TYPES[tensor_type])
     if TENSOR_TYPES[tensor_type] not in (Q.F32, Q.F16, Q.BF16):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
