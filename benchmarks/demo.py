@@ -25,7 +25,7 @@ def main() -> None:
 
     from mha2mla.convert.options import ConvertOptions
     from mha2mla.convert.pipeline import convert
-    from mha2mla.convert.plan import format_plan
+    from mha2mla.convert.plan.summary import format_plan
     from mha2mla.evaluation.measure import kv_cache_size
     from mha2mla.evaluation.perplexity import window_perplexity
     from mha2mla.io.cache import cache_dir

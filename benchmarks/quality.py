@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 MHA2MLA_CACHE=.cache python benchmarks/quality.py \\
         --budgets 0.3125 0.1875 0.125 --methods weight-svd act-pca act-attention-seq act-attention-refit --profiles exact
 
-The methods are named sets of ``mha2mla.convert.methods.Methods`` (METHODS below): the product's two
+The methods are named sets of ``mha2mla.convert.plan.methods.Methods`` (METHODS below): the product's two
 (``weight-svd`` = ``--calib none``, ``act-attention-refit`` = the default) and the ablations.
 
 For each budget, method and profile it converts the model (default: SmolLM2-135M-Instruct from the
@@ -31,17 +31,17 @@ import torch
 METHODS: dict[str, dict] = {
     "weight-svd": {},  # the weight-only product path
     # activation PCA of [K_nope; V] on the source model's activations (statistics computed once, reused)
-    "act-pca": {"rope_compensation": "none", "lowrank": "pca", "refit": False, "sequential": False, "reconstruct": False},
-    "act-pca-seq": {"rope_compensation": "none", "lowrank": "pca", "refit": False, "reconstruct": False},
+    "act-pca": {"rope_compensation": "none", "lowrank": "pca", "refit": "none", "sequential": False, "reconstruct": "none"},
+    "act-pca-seq": {"rope_compensation": "none", "lowrank": "pca", "refit": "none", "reconstruct": "none"},
     # + dropped rotations replaced by their attention-weighted mean
-    "act-pca-mean": {"lowrank": "pca", "refit": False, "sequential": False, "reconstruct": False},
+    "act-pca-mean": {"lowrank": "pca", "refit": "none", "sequential": False, "reconstruct": "none"},
     # + the attention-aware latent and per-head up-projections
-    "act-attention": {"refit": False, "sequential": False, "reconstruct": False},
-    "act-attention-seq": {"refit": False, "reconstruct": False},
+    "act-attention": {"refit": "none", "sequential": False, "reconstruct": "none"},
+    "act-attention-seq": {"refit": "none", "reconstruct": "none"},
     # + the read-out refitted on the converted layer towards the source stream (`--no-reconstruct`)
-    "act-attention-refit": {"reconstruct": False},
-    # + each layer fitted by gradient descent to the source layer's output (convert/reconstruct.py): the default
-    "act-attention-refit-recon": {"reconstruct": True},
+    "act-attention-refit": {"reconstruct": "none"},
+    # + each layer fitted by gradient descent to the source layer's output (convert/steps/reconstruct.py): the default
+    "act-attention-refit-recon": {"reconstruct": "gradient"},
 }
 DEFAULT_METHOD = "act-attention-refit"
 
@@ -50,7 +50,7 @@ def method_set(name: str, profile: str):
     """The ``Methods`` of benchmark method ``name`` for ``profile``."""
     import dataclasses
 
-    from mha2mla.convert.methods import product_methods
+    from mha2mla.convert.plan.methods import product_methods
 
     if name == "weight-svd":
         return product_methods(profile, calibrated=False)
@@ -74,28 +74,13 @@ def evaluate(folder: Path, slices, num_tokens: int) -> dict[str, float]:
 _STATISTICS: dict = {}
 
 
-class PrecomputedStatistics:
-    """A calibration provider whose statistics were computed once on the source model's own activations
-    (the same for every method and budget). It has no refit: methods that refit or calibrate
-    sequentially need the live provider, and the pipeline would refuse them here."""
-
-    def __init__(self, layers: list):
-        self.layers = layers
-
-    def statistics(self, layer: int):
-        return self.layers[layer]
-
-    def refit(self, layer: int, tensors, source):
-        raise RuntimeError("precomputed statistics cannot refit; use a sequential method with the live provider")
-
-    def advance(self, layer: int, tensors) -> None:
-        pass  # the statistics already follow the source model
-
-
-def source_statistics(source: Path, options, profile: str) -> PrecomputedStatistics:
-    """Every layer's statistics on the source model's own activations, computed once per calibration set."""
-    from mha2mla.convert.calibration import calibration_provider
-    from mha2mla.convert.plan import make_plan
+def source_statistics(source: Path, options, profile: str) -> list:
+    """Every layer's statistics on the source model's own activations, computed once per calibration set (the same
+    for every method and budget that neither fits layers nor calibrates sequentially)."""
+    from mha2mla.convert.calibration.measure import measure
+    from mha2mla.convert.calibration.stream import calibration_stream
+    from mha2mla.convert.plan.resolve import make_plan
+    from mha2mla.convert.source import SourceReader
     from mha2mla.families import family_for_config
     from mha2mla.io.source import open_source
 
@@ -104,15 +89,20 @@ def source_statistics(source: Path, options, profile: str) -> PrecomputedStatist
         ckpt = open_source(source)
         family = family_for_config(ckpt.config)
         plan = make_plan(ckpt.config, family, options, methods=method_set("act-attention", profile))
-        provider = calibration_provider(ckpt, family, plan)
-        _STATISTICS[key] = [provider.statistics(layer) for layer in range(provider.num_layers)]
-    return PrecomputedStatistics(_STATISTICS[key])
+        stream = calibration_stream(SourceReader(ckpt, family, plan))
+        layers = []
+        for layer in range(plan.shape.num_layers):
+            activations = stream.enter(layer)
+            layers.append(measure(activations))
+            stream.advance(activations, None)  # the source model's own stream
+        _STATISTICS[key] = layers
+    return _STATISTICS[key]
 
 
 def run_one(source: Path, budget: float, rope_dim: int | None, method: str, profile: str, args) -> dict:
     from mha2mla.convert.options import ConvertOptions
     from mha2mla.convert.pipeline import convert
-    from mha2mla.convert.plan import make_plan
+    from mha2mla.convert.plan.resolve import make_plan
     from mha2mla.families import family_for_config
     from mha2mla.io.source import open_source
 
@@ -127,7 +117,7 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         options["kv_lora_rank"] = full if args.full_rank else plan.kv_lora_rank + plan.rope_dim - options["rope_dim"]
     options = ConvertOptions(**options)
     statistics = None
-    if methods.needs_statistics and not methods.sequential and not methods.refit:
+    if methods.needs_statistics and not methods.sequential and not methods.fits_layers:
         statistics = source_statistics(source, options, profile)  # the same for every method and budget
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         started = time.time()

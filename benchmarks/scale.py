@@ -72,7 +72,7 @@ def build_tokenizer(vocab: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from mha2mla.convert.calibration_data import bundled_sample_path
+    from mha2mla.convert.calibration.data import bundled_sample_path
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from mha2mla import UserError
 from mha2mla.convert.options import ConvertOptions
-from mha2mla.convert.plan import DTYPES, SourceShape, make_plan
+from mha2mla.convert.plan.resolve import make_plan
+from mha2mla.convert.plan.shape import DTYPES, SourceShape
 from mha2mla.families import family_for_config
 from mha2mla.io.reader import read_config
 from mha2mla.io.source import resolve_source

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,15 +12,20 @@ from common import build_source, logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla import UserError
-from mha2mla.convert.calibration import LayerwiseCalibration
-from mha2mla.convert.calibration_data import calibration_documents, calibration_token_ids
-from mha2mla.convert.lowrank import joint_low_rank
-from mha2mla.convert.methods import Methods, mean_compensation, product_methods
-from mha2mla.convert.norm import stabilized_norm, unit_rms_norm
+from mha2mla.convert import pipeline
+from mha2mla.convert.calibration import measure as measure_module
+from mha2mla.convert.calibration.data import calibration_documents, calibration_token_ids
+from mha2mla.convert.calibration.measure import measure
+from mha2mla.convert.calibration.stream import CalibrationStream
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.pipeline import convert
-from mha2mla.convert.plan import make_plan
-from mha2mla.convert.stats import LayerStatistics
+from mha2mla.convert.plan.methods import Methods, product_methods
+from mha2mla.convert.plan.resolve import make_plan
+from mha2mla.convert.source import SourceReader
+from mha2mla.convert.steps.lowrank import joint_low_rank
+from mha2mla.convert.steps.norm import stabilized_norm, unit_rms_norm
+from mha2mla.convert.steps.records import LayerStatistics, LayerWork, SourceAttention
+from mha2mla.convert.steps.rope import mean_compensation
 from mha2mla.families import family_for_config
 from mha2mla.io.source import open_source
 
@@ -55,11 +61,18 @@ def calibrated(profile="exact", sequential=True, **changes) -> Methods:
     return dataclasses.replace(product_methods(profile, calibrated=True), sequential=sequential, **changes)
 
 
-def provider(folder, tokens, sequential, profile="exact", **options):
+def stream_for(folder, tokens, sequential, profile="exact", **options) -> CalibrationStream:
     ckpt = open_source(folder)
     family = family_for_config(ckpt.config)
     plan = make_plan(ckpt.config, family, ConvertOptions(profile=profile, **options), methods=calibrated(profile, sequential))
-    return LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu")
+    return CalibrationStream(SourceReader(ckpt, family, plan), tokens, device="cpu")
+
+
+def statistics_at(stream: CalibrationStream, layer: int) -> LayerStatistics:
+    """The statistics of ``layer``, the stream carried through the source layers before it."""
+    for before in range(layer):
+        stream.advance(stream.enter(before), None)
+    return measure(stream.enter(layer))
 
 
 # --- statistics collection ------------------------------------------------------------------------
@@ -67,8 +80,7 @@ def provider(folder, tokens, sequential, profile="exact", **options):
 @pytest.mark.parametrize("layer", [0, 1])
 def test_statistics_equal_a_direct_computation(sources, layer):
     tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(2))
-    stats_provider = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
-    stats = stats_provider.statistics(layer)  # layer 1: the provider walks the source layer 0 itself
+    stats = statistics_at(stream_for(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5), layer)
     covariance, mean = direct_statistics(sources["llama_gqa"], tokens, layer)
     assert stats.num_tokens == 3 * 24
     torch.testing.assert_close(stats.input_covariance, covariance, rtol=1e-5, atol=1e-5)
@@ -103,14 +115,12 @@ def direct_attention_statistics(folder, tokens, layer, query_stride, key_stride,
 def test_attention_statistics_equal_a_direct_computation(sources, name, layer, monkeypatch):
     """Here the dense moments pass the (lowered) limit. GQA has 2·G·d = D: moments in input coordinates. MQA's
     K/V rows span 32 of 64 dims: the moments are measured in the coordinates of an orthonormal basis of them."""
-    from mha2mla.convert import calibration
-
-    monkeypatch.setattr(calibration, "DENSE_MOMENTS_LIMIT", 0)
+    monkeypatch.setattr(measure_module, "DENSE_MOMENTS_LIMIT", 0)
     tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(5))
-    stats = provider(sources[name], tokens, sequential=False, kv_budget=0.5).statistics(layer)
+    stats = statistics_at(stream_for(sources[name], tokens, sequential=False, kv_budget=0.5), layer)
     values, keys, histogram = direct_attention_statistics(
-        sources[name], tokens, layer, calibration.QUERY_STRIDE, calibration.KEY_STRIDE, calibration.KEY_DENSE,
-        calibration.KEY_WEIGHT_POWER)
+        sources[name], tokens, layer, measure_module.QUERY_STRIDE, measure_module.KEY_STRIDE, measure_module.KEY_DENSE,
+        measure_module.KEY_WEIGHT_POWER)
     basis = stats.moment_basis
     if name == "llama_gqa":
         assert basis is None
@@ -132,27 +142,23 @@ def test_attention_statistics_equal_a_direct_computation(sources, name, layer, m
     torch.testing.assert_close(stats.pair_frequencies, expected, rtol=1e-6, atol=0)
 
 
-def test_sequential_statistics_follow_the_converted_layer(sources):
+def test_sequential_statistics_follow_the_converted_layer(sources, monkeypatch):
     """Layer 1's statistics come from the converted layer 0: equal to the source's when that layer is
     exact (MQA, full capacity), different when it is cut to a low rank."""
     tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(3))
     folder = sources["llama_mqa"]
     covariance, _ = direct_statistics(folder, tokens, 1)
+    seen = {}
+
+    def recording(activations):
+        seen[activations.layer] = measure(activations)
+        return seen[activations.layer]
+
+    monkeypatch.setattr(pipeline, "measure", recording)
     for rank, should_match in ((2 * HEAD_DIM + 1, True), (4, False)):
         out = folder.parent / f"seq_rank{rank}"
-        seen = {}
-
-        class Recording(LayerwiseCalibration):
-            def statistics(self, layer):
-                seen[layer] = super().statistics(layer)  # noqa: B023  (used within this iteration only)
-                return seen[layer]  # noqa: B023
-
-        ckpt = open_source(folder)
-        family = family_for_config(ckpt.config)
         options = ConvertOptions(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM)
-        plan = make_plan(ckpt.config, family, options, external_statistics=True)
-        recording = Recording(ckpt, family, plan, tokens, device="cpu")
-        convert(folder, out, options, statistics=recording, progress=False, force=True)
+        convert(folder, out, options, calibration_tokens=tokens, progress=False, force=True)
         close = torch.allclose(seen[1].input_covariance, covariance, rtol=1e-4, atol=1e-4)
         assert close == should_match, (rank, (seen[1].input_covariance - covariance).abs().max())
 
@@ -167,9 +173,8 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
     family = family_for_config(ckpt.config)
     options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, reconstruct=False)
     plan = make_plan(ckpt.config, family, options, external_statistics=True)
-    assert plan.methods.refit and plan.methods.sequential  # the calibrated default (reconstruction off: the refit's own output)
-    calibration = LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu")
-    result = convert(folder, tmp_path / "out", options, statistics=calibration, progress=False)
+    assert plan.methods.refit == "ridge" and plan.methods.sequential  # the default (reconstruction off: the refit's own output)
+    result = convert(folder, tmp_path / "out", options, calibration_tokens=tokens, progress=False)
     report = result.report["layers"][0]
     assert report["v_output_error_refit"] < report["v_output_error"]  # it validated, and helped
 
@@ -192,18 +197,23 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
     assert abs(o_error - report["o_output_error_refit"]) < 2e-3, (o_error, report)
 
 
-def test_statistics_ask_for_layers_in_order(sources):
+def test_the_stream_goes_through_the_layers_in_order(sources):
+    """The pipeline drives the stream: a layer is entered only when the stream has advanced to it."""
     tokens = torch.randint(0, 384, (1, 16), generator=torch.Generator().manual_seed(4))
-    stats_provider = provider(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
-    stats_provider.statistics(1)
-    with pytest.raises(RuntimeError):
-        stats_provider.statistics(0)
+    stream = stream_for(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
+    with pytest.raises(RuntimeError, match="at layer 0, not 1"):
+        stream.enter(1)
+    activations = stream.enter(0)
+    stream.advance(activations, None)
+    with pytest.raises(RuntimeError, match="at layer 1, not 0"):
+        stream.advance(activations, None)
+    assert stream.enter(1).layer == 1
 
 
-# --- the provider interface -------------------------------------------------------------------------
+# --- calibration supplied by the caller -----------------------------------------------------------------
 
-def test_portable_conversion_with_a_caller_supplied_provider(sources, tmp_path):
-    """A provider passed to convert() makes the plan calibrated, stabiliser channel included (this
+def test_portable_conversion_on_caller_supplied_tokens(sources, tmp_path):
+    """Calibration tokens passed to convert() make the plan calibrated, stabiliser channel included (this
     raised "unknown norm calibration 'stabilized'" when the options carried no calibration text)."""
     tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(7))
     ckpt = open_source(sources["llama_gqa"])
@@ -211,18 +221,38 @@ def test_portable_conversion_with_a_caller_supplied_provider(sources, tmp_path):
     options = ConvertOptions(profile="portable", kv_budget=0.5, calib=None)
     plan = make_plan(ckpt.config, family, options, external_statistics=True)
     assert plan.methods.kv_norm == "stabilized" and plan.extra_channels == 1
-    calibration = LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu")
-    result = convert(sources["llama_gqa"], tmp_path / "out", options, statistics=calibration, progress=False)
+    result = convert(sources["llama_gqa"], tmp_path / "out", options, calibration_tokens=tokens, progress=False)
     assert result.report["methods"] == plan.methods.to_dict()
     assert "v_output_error_refit" in result.report["layers"][0]  # the refit the report names really ran
 
 
-def test_a_provider_without_refit_and_advance_is_refused(sources, tmp_path):
-    """A plain callable used to be accepted, its refit silently skipped while the report said `output`."""
-    with pytest.raises(TypeError, match="lacks statistics, refit, reconstruct, advance"):
+def test_precomputed_statistics_are_refused_for_methods_that_follow_the_converted_model(sources, tmp_path):
+    """Statistics computed beforehand cannot feed a refit, a reconstruction or sequential calibration: refused
+    before anything is written, not silently run without them."""
+    with pytest.raises(ValueError, match="precomputed statistics cannot follow the converted model"):
         convert(sources["llama_gqa"], tmp_path / "out", ConvertOptions(kv_budget=0.5), progress=False,
-                statistics=lambda layer: LayerStatistics())
+                statistics=[LayerStatistics()] * 2)
     assert not (tmp_path / "out").exists()
+
+
+def test_precomputed_statistics_convert_as_the_stream_would(sources, tmp_path):
+    """Source-stream methods without fit steps give the same checkpoint from statistics measured beforehand as
+    from the stream inside convert (how benchmarks/quality.py reuses one measurement across budgets)."""
+    tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(9))
+    methods = calibrated(sequential=False, refit="none", reconstruct="none")
+    options = ConvertOptions(profile="exact", kv_budget=0.5)
+    stream = stream_for(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
+    layers = []
+    for layer in range(2):
+        activations = stream.enter(layer)
+        layers.append(measure(activations))
+        stream.advance(activations, None)
+    convert(sources["llama_gqa"], tmp_path / "given", options, statistics=layers, methods=methods, progress=False)
+    convert(sources["llama_gqa"], tmp_path / "stream", options, calibration_tokens=tokens, methods=methods, progress=False)
+    from safetensors.torch import load_file
+
+    given, streamed = load_file(tmp_path / "given" / "model.safetensors"), load_file(tmp_path / "stream" / "model.safetensors")
+    assert given.keys() == streamed.keys() and all(torch.equal(given[k], streamed[k]) for k in given)
 
 
 # --- every method keeps full-capacity conversions exact (docs/design.md §3 ladder, rung a) ----------
@@ -230,9 +260,9 @@ def test_a_provider_without_refit_and_advance_is_refused(sources, tmp_path):
 METHOD_GRID = {  # the product's two sets, and the ablations the quality benchmark re-measures
     "default": calibrated(),
     "default-source-stream": calibrated(sequential=False),
-    "no-refit": calibrated(refit=False),
-    "pca": calibrated(rope_compensation="none", lowrank="pca", refit=False),
-    "pca-source-stream": calibrated(sequential=False, rope_compensation="none", lowrank="pca", refit=False),
+    "no-refit": calibrated(refit="none"),
+    "pca": calibrated(rope_compensation="none", lowrank="pca", refit="none"),
+    "pca-source-stream": calibrated(sequential=False, rope_compensation="none", lowrank="pca", refit="none"),
 }
 
 
@@ -246,7 +276,7 @@ def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, na
     assert result.report["methods"] == methods.to_dict() and result.plan.calibrated
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
-    if methods.refit:  # the refit ran, and found the exact heads and o_proj exact
+    if methods.refit != "none":  # the refit ran, and found the exact heads and o_proj exact
         # (moment-based errors: float32 products, so ~1e-4 is zero here; a low-rank SmolLM2 layer is ~0.3)
         errors = ["v_output_error", "v_output_error_refit", "o_output_error", "o_output_error_refit"]
         assert all(layer[key] < 1e-3 for layer in result.report["layers"] for key in errors)
@@ -308,7 +338,12 @@ def test_mean_rotation_stands_in_for_the_dropped_rotation():
     q = torch.randn(H, d, dtype=torch.float64, generator=generator)
     k = torch.randn(H, d, dtype=torch.float64, generator=generator)
     stats = LayerStatistics(distance_histogram=histogram, pair_frequencies=frequencies)
-    compensated = mean_compensation(q[:, :, None], None, H, True, stats).weight  # rows of a (H, d, 1) "weight"
+    shape = SimpleNamespace(num_heads=H, num_kv_heads=H, head_dim=d)
+    source = SourceAttention(q_weight=q.reshape(H * d, 1), k_weight=k.reshape(H * d, 1), v_weight=k.reshape(H * d, 1),
+                             o_weight=torch.zeros(1, H * d), input_norm_weight=torch.ones(1))
+    work = LayerWork(layer=0, plan=SimpleNamespace(shape=shape), source=source, stats=stats)
+    mean_compensation(work)
+    compensated = work.query.weight  # rows of a (H, d, 1) "weight"
     angles = torch.arange(L, dtype=torch.float64)[:, None] * frequencies[None]  # (L, d/2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (L, d)
     for h in range(H):
@@ -321,7 +356,7 @@ def test_mean_rotation_stands_in_for_the_dropped_rotation():
 
 
 def test_attention_aware_low_rank_captures_more_and_is_exact_at_full_rank():
-    from mha2mla.convert.lowrank import attention_aware_low_rank
+    from mha2mla.convert.steps.lowrank import attention_aware_low_rank
 
     generator = torch.Generator().manual_seed(6)
     G, H, d, D = 2, 4, 6, 40
@@ -418,7 +453,7 @@ def test_stabiliser_channel_keeps_sink_like_tokens_from_being_blown_up():
 def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sources, input_ids, tmp_path):
     from safetensors.torch import load_file
 
-    from mha2mla.convert.portable import check_portable_folder
+    from mha2mla.convert.output.portable import check_portable_folder
 
     options = ConvertOptions(profile="portable", kv_lora_rank=13, rope_dim=8, calib="default", calib_samples=4,
                              calib_seq_len=32)
@@ -433,12 +468,12 @@ def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sou
     assert torch.isfinite(logits(tmp_path / "out", input_ids)).all()
 
 
-# --- layer-wise reconstruction (part of the calibrated default: convert/reconstruct.py) ----
+# --- layer-wise reconstruction (part of the calibrated default: convert/steps/reconstruct.py) ----
 
 @pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
 def test_reconstruction_keeps_full_capacity_exact(sources, input_ids, tmp_path, name):
     options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib_samples=8, calib_seq_len=32)
-    result = convert(sources[name], tmp_path / "out", options, progress=False, methods=calibrated(reconstruct=True))
+    result = convert(sources[name], tmp_path / "out", options, progress=False, methods=calibrated(reconstruct="gradient"))
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
     assert all(layer["reconstruction_error_after"] <= layer["reconstruction_error"] for layer in result.report["layers"])
@@ -448,17 +483,13 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
     """At low rank each layer's held-out reconstruction error falls (early stopping keeps the best point, so
     it never rises), and the reported errors equal a direct computation on the written checkpoint: layer 0's
     target is the source attention output, layer 1's also carries the residual drift layer 0 left."""
-    from mha2mla.convert import reconstruct as module
+    from mha2mla.convert.steps import reconstruct as module
 
     tokens = torch.randint(0, 384, (32, 64), generator=torch.Generator().manual_seed(8))
     folder = sources["llama_gqa"]
-    ckpt = open_source(folder)
-    family = family_for_config(ckpt.config)
     options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2)
-    methods = calibrated(reconstruct=True)
-    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=True)
-    result = convert(folder, tmp_path / "out", options, statistics=LayerwiseCalibration(ckpt, family, plan, tokens, device="cpu"),
-                     progress=False, methods=methods)
+    methods = calibrated(reconstruct="gradient")
+    result = convert(folder, tmp_path / "out", options, calibration_tokens=tokens, progress=False, methods=methods)
     layers = result.report["layers"]
     assert all(layer["reconstruction_error_after"] < layer["reconstruction_error"] for layer in layers), [
         (layer["reconstruction_error"], layer["reconstruction_error_after"]) for layer in layers]
@@ -493,29 +524,31 @@ def test_reconstruction_target_leaves_out_the_drift_of_massive_activations(sourc
     """The target is the source attention output plus the drift h_source − h_converted, except at tokens whose
     source residual norm passes MASSIVE_NORM_RATIO × the median (attention sinks): there the source attention
     output alone. Checked on the targets handed to the reconstruction loop."""
-    from mha2mla.convert import calibration
-    from mha2mla.convert.attention import convert_attention
-    from mha2mla.convert.reconstruct import MASSIVE_NORM_RATIO
-    from mha2mla.convert.source import SourceReader
+    from mha2mla.convert.steps import reconstruct as reconstruct_module
+    from mha2mla.convert.steps.attention import assemble, run_steps
+    from mha2mla.convert.steps.reconstruct import MASSIVE_NORM_RATIO, gradient_reconstruction
+    from mha2mla.convert.steps.registry import LATENT_KINDS
 
     tokens = torch.randint(0, 384, (8, 32), generator=torch.Generator().manual_seed(13))
-    cal = provider(sources["llama_gqa"], tokens, sequential=True, kv_budget=0.5)
-    stats = cal.statistics(0)
-    source = SourceReader(cal.ckpt, cal.family, cal.plan).attention(0, stats)
-    tensors = convert_attention(source, cal.plan, stats).tensors
+    stream = stream_for(sources["llama_gqa"], tokens, sequential=True, kv_budget=0.5)
+    activations = stream.enter(0)
+    stats = measure(activations)
+    work = LayerWork(layer=0, plan=stream.plan, source=stream.reader.attention(0, stats), stats=stats, activations=activations)
+    run_steps(work, LATENT_KINDS)
+    assemble(work)
     generator = torch.Generator().manual_seed(14)
-    cal.source_hidden.add_(0.3 * cal.hidden.std() * torch.randn(cal.hidden.shape, generator=generator))  # drift everywhere
-    cal.source_hidden[:, 0] *= 2 * MASSIVE_NORM_RATIO  # every sequence's first token: a massive activation
-    cal.source_hidden[3, 5] *= 0.8 * MASSIVE_NORM_RATIO  # large, but under the ratio: its drift stays
+    stream.source_hidden.add_(0.3 * stream.hidden.std() * torch.randn(stream.hidden.shape, generator=generator))  # drift everywhere
+    stream.source_hidden[:, 0] *= 2 * MASSIVE_NORM_RATIO  # every sequence's first token: a massive activation
+    stream.source_hidden[3, 5] *= 0.8 * MASSIVE_NORM_RATIO  # large, but under the ratio: its drift stays
     captured = {}
-    monkeypatch.setattr(calibration, "reconstruct", lambda module, data, exact: captured.update(y=data.y.clone()) or {})
-    _, report = cal.reconstruct(0, tensors, source)
-    assert report["reconstruction_massive_tokens"] == len(tokens)
-    layer = cal._source_layer(0)
+    monkeypatch.setattr(reconstruct_module, "reconstruct", lambda module, data, exact: captured.update(y=data.y.clone()) or {})
+    gradient_reconstruction(work)
+    assert work.report["reconstruction_massive_tokens"] == len(tokens)
+    layer = activations.source
     with torch.no_grad():
-        attention = cal.residual_scale * layer.self_attn(layer.input_layernorm(cal.source_hidden), position_embeddings=cal.source_rope,
-                                                         attention_mask=None)[0]
-    drift = cal.source_hidden - cal.hidden
+        attention = activations.residual_scale * layer.self_attn(layer.input_layernorm(stream.source_hidden),
+                                                                 position_embeddings=stream.source_rope, attention_mask=None)[0]
+    drift = stream.source_hidden - stream.hidden
     torch.testing.assert_close(captured["y"][:, 0], attention[:, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(captured["y"][:, 1:], attention[:, 1:] + drift[:, 1:], rtol=1e-5, atol=1e-5)
     assert drift[:, 0].norm() > attention[:, 0].norm()  # leaving it out made a real difference
@@ -544,7 +577,7 @@ def test_more_rows_than_inputs_factor_like_the_rows_by_rows_problem(weighted):
 def test_ridge_refit_equals_the_direct_cross_validation():
     """The refit scores every ridge in the eigenbasis of each fold (O(n²) per ridge): the same choice, map and
     errors as fitting every ridge explicitly and measuring it on the other fold."""
-    from mha2mla.convert.refit import REFIT_RIDGES, ridge_refit
+    from mha2mla.convert.steps.refit import REFIT_RIDGES, ridge_refit
 
     generator = torch.Generator().manual_seed(12)
     B, m, n = 4, 24, 30

@@ -12,8 +12,8 @@ from common import build_source, logits
 from transformers import AutoModelForCausalLM
 
 from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.output.portable import check_portable_folder, portable_violations
 from mha2mla.convert.pipeline import convert
-from mha2mla.convert.portable import check_portable_folder, portable_violations
 from mha2mla.modeling.absorbed import load_absorbed
 from mha2mla.modeling.reference import reference_attention
 
@@ -305,7 +305,7 @@ def test_rank_above_what_a_layer_can_use_is_refused(sources, tmp_path):
 
 def test_gguf_sources_default_to_a_bfloat16_output(sources):
     """A GGUF's dequantised copy is float32, but its weights never had that precision: `auto` gives bf16."""
-    from mha2mla.convert.plan import make_plan
+    from mha2mla.convert.plan.resolve import make_plan
     from mha2mla.families import family_for_config
 
     config = json.loads((sources["llama_gqa"] / "config.json").read_text())

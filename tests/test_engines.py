@@ -10,10 +10,10 @@ import torch
 from common import build_source, logits
 
 from mha2mla import UserError
-from mha2mla.convert.engines import engine_violations
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.pipeline import convert
-from mha2mla.convert.plan import make_plan
+from mha2mla.convert.plan.engines import engine_violations
+from mha2mla.convert.plan.resolve import make_plan
 from mha2mla.families import family_for_config
 
 # what a SmolLM2-135M conversion at 31.25% wrote before targets existed (kv_lora_rank 88, rope 32, nope = v = 64)

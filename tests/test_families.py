@@ -11,8 +11,8 @@ import torch
 from common import build_source, logits, run_cli
 
 from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.convert.pipeline import convert
-from mha2mla.convert.portable import check_portable_folder
 
 D, HEADS, HEAD_DIM = 64, 4, 16
 SMALL_CALIBRATION = {"calib_samples": 4, "calib_seq_len": 32}

@@ -1,4 +1,4 @@
-"""One calibrated layer's memory (mha2mla/convert/memory.py): activations on disk give the same conversion,
+"""One calibrated layer's memory (mha2mla/convert/calibration/memory.py): activations on disk give the same conversion,
 a budget that cannot hold a layer is one sentence before any work, and the estimate's terms at real widths."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from common import build_source, run_cli
 from safetensors.torch import load_file
 
-from mha2mla.convert import memory
+from mha2mla.convert.calibration import memory
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.pipeline import convert
 
@@ -32,8 +32,8 @@ def test_activations_on_disk_convert_to_the_same_weights(source, tmp_path, monke
         made.append(on_disk)
         return real(shape, on_disk)
 
-    monkeypatch.setattr("mha2mla.convert.calibration.check_budget", lambda plan, budget: True)
-    monkeypatch.setattr("mha2mla.convert.calibration.host_buffer", on_disk_buffer)
+    monkeypatch.setattr("mha2mla.convert.calibration.stream.check_budget", lambda plan, budget: True)
+    monkeypatch.setattr("mha2mla.convert.calibration.stream.host_buffer", on_disk_buffer)
     convert(source, tmp_path / "disk", options, progress=False)
     layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
     # both streams (converted and source), then each layer's source head outputs, all file-backed
@@ -58,7 +58,7 @@ def test_a_budget_that_cannot_hold_one_layer_is_one_sentence(source, tmp_path, c
 def test_the_estimate_at_70b_widths_fits_24_gib_and_shrinks_the_moments():
     """Llama-3-70B's layer (hidden 8192, 64 heads, 8 KV heads, MLP 28672) with the default calibration: the
     per-head moments are measured in the 2048-dim K/V row space, the o_proj refit on the 8192 head outputs."""
-    from mha2mla.convert.plan import make_plan
+    from mha2mla.convert.plan.resolve import make_plan
     from mha2mla.families import family_for_config
 
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "num_attention_heads": 64,
@@ -78,18 +78,18 @@ def test_row_space_moments_keep_full_capacity_exact(source, tmp_path, monkeypatc
     full capacity (exact profile) still reproduces the source's logits, and every layer used the basis."""
     from common import logits
 
-    from mha2mla.convert import calibration
+    from mha2mla.convert import pipeline
+    from mha2mla.convert.calibration import measure as calibration
 
     monkeypatch.setattr(calibration, "DENSE_MOMENTS_LIMIT", 0)
     seen = []
-    real = calibration.LayerwiseCalibration.statistics
 
-    def statistics(self, layer):
-        stats = real(self, layer)
+    def statistics(activations):
+        stats = calibration.measure(activations)
         seen.append(None if stats.moment_basis is None else tuple(stats.moment_basis.shape))
         return stats
 
-    monkeypatch.setattr(calibration.LayerwiseCalibration, "statistics", statistics)
+    monkeypatch.setattr(pipeline, "measure", statistics)
     options = ConvertOptions(profile="exact", kv_lora_rank=2 * 16 + 1, rope_dim=16, calib_samples=4, calib_seq_len=32)
     convert(source, tmp_path / "out", options, progress=False)
     assert seen and all(shape == (32, 64) for shape in seen), seen  # MQA: 2 · 1 · 16 rows of 64 dims

@@ -8,8 +8,8 @@ from assets import default_model_gguf, held_out_token_ids  # benchmarks/assets.p
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.convert.pipeline import convert
-from mha2mla.convert.portable import check_portable_folder
 from mha2mla.evaluation.perplexity import window_perplexity
 from mha2mla.io.source import resolve_source
 

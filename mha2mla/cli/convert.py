@@ -56,12 +56,12 @@ def convert_command(
         check_destination(out, [("the source model", source)])
         check_replaceable(out, force)
     from mha2mla.convert.pipeline import convert
-    from mha2mla.convert.plan import format_plan
+    from mha2mla.convert.plan.summary import format_plan
 
     result = convert(source, out, options, force=force, dry_run=dry_run, progress=progress)
     typer.echo(format_plan(result.plan))
     if result.plan.calibration is not None:
-        from mha2mla.convert.memory import layer_memory
+        from mha2mla.convert.calibration.memory import layer_memory
 
         c = result.plan.calibration
         typer.echo(f"calibration: {c.samples} x {c.seq_len} tokens; one layer's working set about "

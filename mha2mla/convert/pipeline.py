@@ -1,8 +1,10 @@
-"""``convert(source, out, options)``: the whole conversion, one layer at a time.
+"""``convert(source, out, options)``: the whole conversion, one layer at a time (docs/design.md, "architecture").
 
-Reads the source lazily, converts each attention layer (attention.py), copies embeddings, norms and
-MLPs as they are, and writes a native DeepSeek-V3 checkpoint into a temporary folder that is renamed
-to OUT only when everything (config, tokenizer, absorbed weights, report, card, checks) is written.
+Reads the source lazily through one SourceReader, and for each layer: the calibration stream enters it and
+measures it, the plan's steps convert its attention (convert/steps/), the stream advances through it; the
+embeddings, norms and MLPs are copied as they are. Everything is written, in the output dtype, into a
+temporary folder that is renamed to OUT only when everything (config, tokenizer, absorbed weights, report,
+card, checks) is written.
 """
 
 from __future__ import annotations
@@ -14,25 +16,28 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import DeepseekV3Config
 
 from mha2mla import __version__
-from mha2mla.convert.attention import convert_attention, pad_value_heads
-from mha2mla.convert.calibration import calibration_provider
-from mha2mla.convert.engines import engine_violations
-from mha2mla.convert.methods import Methods, product_methods
+from mha2mla.convert.calibration.measure import measure
+from mha2mla.convert.calibration.stream import CalibrationStream, calibration_stream
 from mha2mla.convert.options import ConvertOptions
-from mha2mla.convert.plan import ConversionPlan, make_plan
-from mha2mla.convert.portable import portable_violations
+from mha2mla.convert.output.portable import portable_violations
+from mha2mla.convert.output.target_config import deepseek_config
+from mha2mla.convert.plan.engines import engine_violations
+from mha2mla.convert.plan.methods import Methods
+from mha2mla.convert.plan.resolve import ConversionPlan, make_plan
 from mha2mla.convert.source import SourceReader
-from mha2mla.convert.stats import CalibrationProvider, require_provider
-from mha2mla.convert.target_config import deepseek_config
-from mha2mla.families import Family, family_for_config
+from mha2mla.convert.steps.attention import convert_attention
+from mha2mla.convert.steps.records import LayerStatistics, LayerWork
+from mha2mla.families import family_for_config
 from mha2mla.io.card import write_model_card
 from mha2mla.io.output import check_destination, check_replaceable, staged_output
 from mha2mla.io.source import open_source
@@ -84,88 +89,93 @@ def convert(
     force: bool = False,
     dry_run: bool = False,
     progress: bool = True,
-    statistics: CalibrationProvider | None = None,
+    statistics: Sequence[LayerStatistics] | None = None,
+    calibration_tokens: torch.Tensor | None = None,
     methods: Methods | None = None,
     command: str | None = None,
 ) -> ConversionResult:
     """Convert ``source`` (folder, .gguf or hub id) into a DeepSeek-V3 MLA checkpoint at ``out``.
 
-    ``statistics``: a calibration provider to use instead of the built-in one (``stats.py``);
-    ``methods``: another method set than the product's (benchmarks; ``methods.py``)."""
+    ``statistics``: every layer's statistics, computed beforehand, instead of the calibration stream (only for
+    methods that neither fit layers nor calibrate sequentially); ``calibration_tokens``: (N, L) token ids to calibrate
+    on instead of the options' text; ``methods``: another method set than the product's (benchmarks;
+    plan/methods.py)."""
     options = options or ConvertOptions()
     started = time.time()
-    if statistics is not None:
-        require_provider(statistics, (methods or product_methods(options.profile, True, options.reconstruct)).provider_steps)
     out = Path(out) if out is not None else None
     if out is not None and not dry_run:
         prepare_out(out, force, source)
     ckpt = open_source(source)
     family = family_for_config(ckpt.config)
-    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=statistics is not None,
+    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=statistics is not None or calibration_tokens is not None,
                      source_format="gguf" if str(source).lower().endswith(".gguf") else "safetensors")
+    if statistics is not None and (plan.methods.fits_layers or plan.methods.sequential):
+        raise ValueError("precomputed statistics cannot follow the converted model: give methods without refit, "
+                         "reconstruction or sequential calibration, or let convert calibrate")
     if dry_run or out is None:
         return ConversionResult(out=None, plan=plan, report={"plan": plan.to_dict()})
-    provider = None
-    if plan.calibrated:
-        provider = statistics if statistics is not None else calibration_provider(ckpt, family, plan)
+    reader = SourceReader(ckpt, family, plan)
+    stream = None
+    if calibration_tokens is not None:
+        stream = CalibrationStream(reader, calibration_tokens, device=options.calib_device)
+    elif plan.calibrated and statistics is None:
+        stream = calibration_stream(reader)
 
     with staged_output(out, force=force) as tmp:  # swapped into OUT only once everything is written
-        report = _write_checkpoint(ckpt, family, plan, tmp, provider, progress)
+        report = _write_checkpoint(reader, tmp, stream, statistics, progress)
         report.update(
             source=str(source), command=command or _command_line(), mha2mla_version=__version__,
             options=options.model_dump(), elapsed_seconds=round(time.time() - started, 2),
             peak_rss_gib=round(peak_rss_bytes() / 1024**3, 3),
         )
-        if provider is not None and getattr(provider, "device", None) is not None and provider.device.type == "cuda":
-            import torch
-
-            report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(provider.device) / 1024**3, 3)
+        if stream is not None and stream.device.type == "cuda":
+            report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(stream.device) / 1024**3, 3)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         write_model_card(tmp, report)
     return ConversionResult(out=out, plan=plan, report=report)
 
 
-def _convert_layer(reader: SourceReader, plan: ConversionPlan, layer: int, provider: CalibrationProvider | None):
-    """One layer's attention: this layer's statistics, read, convert, refit, advance the calibration."""
-    stats = provider.statistics(layer) if provider is not None else None
-    source = reader.attention(layer, stats)
-    converted = convert_attention(source, plan, stats)
-    if provider is not None:
-        if plan.methods.refit:
-            converted.tensors, refit_report = provider.refit(layer, converted.tensors, source)
-            converted.report.update(refit_report)
-        if plan.methods.reconstruct:
-            converted.tensors, reconstruction = provider.reconstruct(layer, converted.tensors, source)
-            converted.report.update(reconstruction)
-        provider.advance(layer, converted.tensors)  # the next layer's calibration input
-    converted.tensors = pad_value_heads(converted.tensors, plan.shape.num_heads, plan.shape.head_dim, plan.v_head_dim)
-    return source, converted
+def _convert_layer(reader: SourceReader, layer: int, stream: CalibrationStream | None,
+                   statistics: Sequence[LayerStatistics] | None) -> LayerWork:
+    """One layer's attention: the stream enters the layer and measures it (or the given statistics), the plan's
+    steps convert it, and the stream advances through it (through the converted attention when sequential)."""
+    plan = reader.plan
+    activations = stream.enter(layer) if stream is not None else None
+    if activations is not None:
+        stats = measure(activations)
+    else:
+        stats = statistics[layer] if statistics is not None else LayerStatistics()
+    work = LayerWork(layer=layer, plan=plan, source=reader.attention(layer, stats), stats=stats, activations=activations)
+    tensors = convert_attention(work)
+    if stream is not None:
+        stream.advance(activations, work.tensors if plan.methods.sequential else None)
+    work.tensors = tensors
+    return work
 
 
-def _write_checkpoint(ckpt, family: Family, plan: ConversionPlan, folder: Path, provider, progress: bool) -> dict:
-    dtype = plan.torch_dtype
-    writer = ShardedWriter(folder, max_shard_bytes=plan.max_shard_size)
-    reader = SourceReader(ckpt, family, plan)
-    writer.add("model.embed_tokens.weight", reader.embed().to(dtype))
+def _write_checkpoint(reader: SourceReader, folder: Path, stream, statistics, progress: bool) -> dict:
+    plan, ckpt = reader.plan, reader.ckpt
+    writer = ShardedWriter(folder, max_shard_bytes=plan.max_shard_size, dtype=plan.torch_dtype)
+    writer.add("model.embed_tokens.weight", reader.embed())
     kv_b_weights, layers, dropped = {}, [], set()
     description = "converting" + (" (calibrated)" if plan.calibrated else " (weight-only)")
     for layer in _progress(range(plan.shape.num_layers), plan.shape.num_layers, progress, description):
         layer_started = time.time()
-        source, converted = _convert_layer(reader, plan, layer, provider)
-        converted.report["seconds"] = round(time.time() - layer_started, 2)
+        work = _convert_layer(reader, layer, stream, statistics)
+        work.report["seconds"] = round(time.time() - layer_started, 2)
         prefix = f"model.layers.{layer}"
-        for name, tensor in converted.tensors.items():
+        for name, tensor in work.tensors.items():
             writer.add(f"{prefix}.self_attn.{name}", tensor)
-        kv_b_weights[f"{prefix}.self_attn.kv_b_proj.weight"] = converted.tensors["kv_b_proj.weight"]
-        writer.add(f"{prefix}.input_layernorm.weight", source.input_norm_weight.to(dtype))
-        writer.add(f"{prefix}.post_attention_layernorm.weight", reader.tensor("post_attention_layernorm", layer).to(dtype))
+        kv_b_weights[f"{prefix}.self_attn.kv_b_proj.weight"] = work.tensors["kv_b_proj.weight"]
+        writer.add(f"{prefix}.input_layernorm.weight", work.source.input_norm_weight)
+        writer.add(f"{prefix}.post_attention_layernorm.weight", reader.tensor("post_attention_layernorm", layer))
         for key, tensor in reader.mlp(layer).items():
-            writer.add(f"{prefix}.mlp.{key}.weight", tensor.to(dtype))
-        layers.append({"layer": layer, **converted.report})
-        dropped.update(converted.dropped_biases)
-    writer.add("model.norm.weight", reader.tensor("final_norm").to(dtype))
+            writer.add(f"{prefix}.mlp.{key}.weight", tensor)
+        layers.append({"layer": layer, **work.report})
+        dropped.update(work.written.dropped_biases)
+    writer.add("model.norm.weight", reader.tensor("final_norm"))
     if plan.untie_embeddings or not ckpt.config.get("tie_word_embeddings", False):
-        writer.add("lm_head.weight", reader.lm_head().to(dtype))
+        writer.add("lm_head.weight", reader.lm_head())
     writer.finish()
     _write_metadata(ckpt, plan, folder, kv_b_weights)
     if dropped:

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from mha2mla.convert.layer import SourceAttention
-from mha2mla.convert.plan import ConversionPlan
-from mha2mla.convert.stats import LayerStatistics
+from mha2mla.convert.plan.resolve import ConversionPlan
+from mha2mla.convert.steps.records import LayerStatistics, SourceAttention
 from mha2mla.families import Family
 from mha2mla.io.reader import LazyCheckpoint
 
@@ -56,6 +55,12 @@ class SourceReader:
         whole = self.ckpt.get(self.family.weight(name, layer) + suffix, shape=(sum(sizes), *shape[1:]))
         start = sum(sizes[: parts.index(key)])
         return whole[start : start + shape[0]].clone()
+
+    def layer_state(self, layer: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """The checkpoint's own tensors of decoder layer ``layer`` under the names a transformers decoder layer of
+        the family uses (``self_attn.q_proj.weight``, …): fused and unscaled, as that layer expects them."""
+        prefix = self.family.layer_prefix(layer)
+        return {name: self.ckpt.get(prefix + name) for name in names}
 
     def has(self, key: str, layer: int, suffix: str) -> bool:
         fused = self.family.fused_with(key)

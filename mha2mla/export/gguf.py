@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from mha2mla import UserError, __version__
-from mha2mla.convert.portable import check_portable_folder
+from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.export.vocab import read_vocab
 from mha2mla.io.output import check_file_destination, staged_file
 from mha2mla.io.reader import LazyCheckpoint

@@ -36,6 +36,10 @@ class Family:
         template = self.weights[key]
         return template.format(layer=layer) if layer is not None else template
 
+    def layer_prefix(self, layer: int) -> str:
+        """The prefix of decoder layer ``layer``'s tensors (``model.layers.3.``), taken from its input norm's name."""
+        return self.weight("input_layernorm", layer).removesuffix("input_layernorm.weight")
+
     def fused_with(self, key: str) -> tuple[str, list[str]] | None:
         """(the stored tensor's key, its parts in row order) when logical tensor ``key`` is stored fused."""
         return next(((name, parts) for name, parts in self.fused.items() if key in parts), None)

@@ -45,8 +45,9 @@ class ShardedWriter:
     """``add`` tensors one by one; ``finish`` writes ``model.safetensors`` (one shard) or
     ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``."""
 
-    def __init__(self, folder: str | Path, max_shard_bytes: int = 2 * 1024**3):
+    def __init__(self, folder: str | Path, max_shard_bytes: int = 2 * 1024**3, dtype: torch.dtype | None = None):
         self.folder = Path(folder)
+        self.dtype = dtype  # every floating tensor is written in this dtype (None: as given)
         self.max_shard_bytes = max_shard_bytes
         self._spool = open(self.folder / SPOOL_FILE, "wb")
         self._shards: list[list[_Entry]] = [[]]
@@ -56,6 +57,8 @@ class ShardedWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         assert name not in self._names, f"duplicate tensor {name}"
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
         data = tensor_bytes(tensor)
         if self._shards[-1] and self._shard_bytes + len(data) > self.max_shard_bytes:
             self._shards.append([])

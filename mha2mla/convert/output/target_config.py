@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import DeepseekV3Config
 
 from mha2mla import __version__
-from mha2mla.convert.plan import ConversionPlan
+from mha2mla.convert.plan.resolve import ConversionPlan
 
 
 def deepseek_config(plan: ConversionPlan, source_config: dict, padded: bool = True) -> dict:

@@ -1,5 +1,5 @@
-"""One attention layer, MHA/GQA -> MLA (docs/design.md §3): the plan's step functions
-(``methods.py``) put together and written as the DeepSeek-V3 tensors of one layer.
+"""One attention layer, MHA/GQA -> MLA (docs/design.md §3): the plan's steps (``registry.py``) run in
+order, and their results assembled as the DeepSeek-V3 tensors of one layer.
 
 Shapes (source): q_proj [H*d, D], k_proj/v_proj [G*d, D], o_proj [D, H*d].
 Shapes (target): q_proj [H*(d_n+d_r), D] with d_n = d; kv_a_proj_with_mqa [r + d_r, D];
@@ -11,44 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from mha2mla.convert.layer import ConvertedAttention, QueryNope, RopeSplit, SourceAttention
-from mha2mla.convert.methods import step
-from mha2mla.convert.norm import neutralised_norm
-from mha2mla.convert.plan import ConversionPlan
-from mha2mla.convert.rope import interleaved_order, pair_rows
-from mha2mla.convert.stats import LayerStatistics
+from mha2mla.convert.steps.norm import neutralised_norm
+from mha2mla.convert.steps.records import LayerWork
+from mha2mla.convert.steps.registry import FIT_KINDS, LATENT_KINDS, step
+from mha2mla.convert.steps.rope import interleaved_order
 
 F64 = torch.float64
 
 
-def split_rope(source: SourceAttention, plan: ConversionPlan, stats: LayerStatistics) -> RopeSplit:
-    """Step 1: per kept pair, the shared rope key = a mix of the KV heads' key components; the rest
-    of every head's key loses its rotation (docs/design.md §3.1)."""
-    H, G, d, R = plan.shape.num_heads, plan.shape.num_kv_heads, plan.shape.head_dim, plan.shape.rotating_dims
-    pairs = list(plan.rope_pairs) if source.uses_rope else []  # a layer without rope: its rope key carries nothing
-    k_w = source.k_weight.to(F64).view(G, d, -1)  # (G, d, D)
-    k_b = None if source.k_bias is None else source.k_bias.to(F64).view(G, d)
-    mix = step("rope_mixing", plan.methods.rope_mixing).function
-    key_coeff, query_coeff = mix(source.k_weight.to(F64), None if k_b is None else k_b.reshape(-1), pairs, d, R, stats)
-    rope_w = torch.zeros(plan.rope_dim, k_w.shape[2], dtype=F64)  # (d_r, D): interleaved rows
-    rope_b = torch.zeros(plan.rope_dim, dtype=F64)
-    nope_w, nope_b = k_w.clone(), None if k_b is None else k_b.clone()
-    per_head = torch.zeros(len(plan.rope_pairs), H, dtype=F64)  # (P, H); zero where the layer has no rope
-    for j, pair in enumerate(pairs):
-        b, a = key_coeff[j], query_coeff[j]  # (G,) rope key = Σ_g b_g k_g; group g reads a_g of it
-        for c, row in enumerate(pair_rows(R, pair)):
-            rope_w[2 * j + c] = torch.einsum("g,gD->D", b, k_w[:, row, :])
-            nope_w[:, row, :] -= a[:, None] * rope_w[2 * j + c]
-            if k_b is not None:
-                rope_b[2 * j + c] = (b * k_b[:, row]).sum()
-                nope_b[:, row] -= a * rope_b[2 * j + c]
-        per_head[j] = a.repeat_interleave(H // G)
-    return RopeSplit(key_weight=rope_w, key_bias=rope_b, key_nope_weight=nope_w, key_nope_bias=nope_b, query_coeff=per_head)
-
-
-def query_tensors(source: SourceAttention, query: QueryNope, rope: RopeSplit, plan: ConversionPlan) -> dict[str, torch.Tensor]:
+def query_tensors(work: LayerWork) -> dict[str, torch.Tensor]:
     """Query rows per head [q_nope (d); q_rope (d_r, interleaved)], with the softmax scale
     (d_n + d_r)^-0.5 folded in; through the q_lora pair when a q bias must be carried exactly."""
+    source, query, rope, plan = work.source, work.query, work.rope, work.plan
     H, d, D = plan.shape.num_heads, plan.shape.head_dim, source.q_weight.shape[1]
     d_r = plan.rope_dim
     q_scale = plan.shape.softmax_scale * (d + d_r) ** 0.5  # the target scales scores by (d + d_r)^-0.5
@@ -98,33 +72,40 @@ def _energy(rows: torch.Tensor, cov: torch.Tensor | None) -> float:
     return float((rows * rows).sum()) if cov is None else float(torch.einsum("ri,ij,rj->", rows, cov, rows))
 
 
-def convert_attention(source: SourceAttention, plan: ConversionPlan, stats: LayerStatistics | None = None) -> ConvertedAttention:
-    """The DeepSeek-V3 tensors of one layer (names relative to ``self_attn.``) and a report."""
-    stats = stats or LayerStatistics()
-    methods = plan.methods
-    H, G, d = plan.shape.num_heads, plan.shape.num_kv_heads, plan.shape.head_dim
-    cov = None if stats.input_covariance is None else stats.input_covariance.to(F64)
-    q_b = None if source.q_bias is None else source.q_bias.to(F64).view(H, d)
-    value = source.v_weight.to(F64).view(G, d, -1)  # (G, d, D)
+def run_steps(work: LayerWork, kinds: tuple[str, ...]) -> None:
+    """Run the plan's step of each kind in ``kinds`` on ``work``, in order."""
+    for kind in kinds:
+        step(kind, getattr(work.plan.methods, kind)).function(work)
 
-    rope = split_rope(source, plan, stats)  # 1. the shared rope key
-    query = step("rope_compensation", methods.rope_compensation).function(
-        source.q_weight.to(F64).view(H, d, -1), q_b, G, source.uses_rope, stats)
-    latent = step("lowrank", methods.lowrank).function(rope.key_nope_weight, value, plan.latent_rank, H, query, stats)  # 2.
-    written = step("kv_norm", methods.kv_norm).function(latent, rope, source, stats, plan.torch_dtype)  # 3.
 
-    tensors = {**written.tensors, "o_proj.weight": source.o_weight.to(F64), **query_tensors(source, query, rope, plan)}
+def assemble(work: LayerWork) -> None:
+    """The DeepSeek-V3 tensors of the layer (names relative to ``self_attn.``) from the latent steps' results,
+    held in the output dtype from here on, so that the refit and the reconstruction fit what is written; and the
+    layer's report."""
+    plan, source, latent, rope = work.plan, work.source, work.latent, work.rope
+    G, d = plan.shape.num_kv_heads, plan.shape.head_dim
+    cov = None if work.stats.input_covariance is None else work.stats.input_covariance.to(F64)
+    tensors = {**work.written.tensors, "o_proj.weight": source.o_weight.to(F64), **query_tensors(work)}
+    work.tensors = {name: tensor.to(plan.torch_dtype).contiguous() for name, tensor in tensors.items()}
     key_energy = _energy(source.k_weight.to(F64), cov)
-    report = {
+    work.report.update({
         "kv_lora_rank": plan.kv_lora_rank,
         "latent_rank": plan.latent_rank,
         "rope_pairs": list(plan.rope_pairs),
         "rope_key_energy_fraction": _energy(rope.key_weight, cov) / key_energy if key_energy > 0 else 0.0,
         "k_rel_error": relative_error(latent.up_k, latent.down, rope.key_nope_weight, cov),
-        "v_rel_error": relative_error(latent.up_v, latent.down, value, cov),
-    }
-    out = {name: tensor.to(plan.torch_dtype).contiguous() for name, tensor in tensors.items()}
-    return ConvertedAttention(tensors=out, report=report, dropped_biases=written.dropped_biases)
+        "v_rel_error": relative_error(latent.up_v, latent.down, source.v_weight.to(F64).view(G, d, -1), cov),
+    })
+
+
+def convert_attention(work: LayerWork) -> dict[str, torch.Tensor]:
+    """Every step of the plan on one layer: the latent steps, the assembly, the fit steps. Returns the layer's
+    tensors, value heads padded to the plan's ``v_head_dim``; ``work.report`` holds the layer's report."""
+    run_steps(work, LATENT_KINDS)
+    assemble(work)
+    run_steps(work, FIT_KINDS)
+    plan = work.plan
+    return pad_value_heads(work.tensors, plan.shape.num_heads, plan.shape.head_dim, plan.v_head_dim)
 
 
 def pad_value_heads(tensors: dict[str, torch.Tensor], num_heads: int, head_dim: int, v_head_dim: int) -> dict[str, torch.Tensor]:

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from mha2mla.convert.lowrank import single_thread
+from mha2mla.convert.steps.lowrank import single_thread
+from mha2mla.convert.steps.records import LayerWork
+from mha2mla.convert.steps.registry import register
+from mha2mla.modeling.eager import eager_attention
 
 # relative ridges (towards the current map) that the refit chooses from by cross-validation
 REFIT_RIDGES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
@@ -120,3 +123,70 @@ def ridge_refit(current: torch.Tensor, cross: torch.Tensor, gram: torch.Tensor, 
     report = {"error": (max(before, 0.0) / total) ** 0.5, "error_refit": (max(after, 0.0) / total) ** 0.5,
               "ridge": None if ridge == float("inf") else ridge}
     return refitted, report
+
+
+# the refit keeps its first pass's latents and targets for the second when they take at most this much
+REFIT_CACHE_BYTES = 512 * 1024**2
+
+
+def refit_cache_bytes(tokens: int, heads: int, rank: int, hidden: int) -> int:
+    """What the refit keeps of its first pass for the second (averaged latents and targets, float32):
+    their size when at most REFIT_CACHE_BYTES, else 0 (the second pass computes them again)."""
+    size = tokens * (heads * rank + hidden) * 4
+    return size if size <= REFIT_CACHE_BYTES else 0
+
+
+@register("refit", "ridge", needs_activations=True)
+@torch.no_grad()
+def ridge_refit_step(work: LayerWork) -> None:
+    """The converted layer's value rows and o_proj refitted on what it computes, in two passes: the value rows,
+    then o_proj on the refitted heads. f always comes from the stream being calibrated; t from the source
+    stream when there is one. A full-capacity conversion, where f spans t exactly, keeps its maps."""
+    activations, tensors = work.activations, work.tensors
+    target = activations.target_attention(tensors)
+    H, d, r = target.num_heads, target.v_head_dim, target.kv_lora_rank
+    N, L, D = activations.hidden.shape
+    keep = refit_cache_bytes(N * L, H, r, D) > 0  # the first pass's averaged latents and targets, for the second
+    kept = []
+    value_moments = ValueMoments(H, d, r, activations.device)
+    for fold, t, f, y in _readout_batches(work, target, with_output=keep):
+        value_moments.add(fold, t, f)
+        if keep:
+            kept.append((fold, None, f, y))
+    values, report = value_moments.solve(tensors["kv_b_proj.weight"])
+    up = values.float().to(activations.device)  # (H, d, r)
+    output_moments = OutputMoments(D, H * d, activations.device)
+    for fold, _, f, y in kept or _readout_batches(work, target, with_output=True):
+        z = torch.einsum("hdr,bhlr->blhd", up, f)  # (b, L, H, d): the refitted heads' outputs
+        output_moments.add(fold, z.flatten(2), y)
+    o_weight, o_report = output_moments.solve(tensors["o_proj.weight"])
+    kv_b = tensors["kv_b_proj.weight"].to(F64).view(H, 2 * d, r).clone()
+    kv_b[:, d:] = values
+    work.tensors = {**tensors, "kv_b_proj.weight": kv_b.reshape(H * 2 * d, r).to(tensors["kv_b_proj.weight"].dtype),
+                    "o_proj.weight": o_weight.to(tensors["o_proj.weight"].dtype)}
+    work.report.update({**report, **o_report})
+
+
+def _readout_batches(work: LayerWork, target: torch.nn.Module, with_output: bool):
+    """Per half-batch (the two cross-validation folds: even and odd sequences): (fold, t, f, y) with t the source
+    heads' outputs (b, H, L, d), f the converted layer's averaged latents (b, H, L, r) and y the source attention
+    output (b, L, D; None unless ``with_output``)."""
+    activations = work.activations
+    stream = activations.stream
+    heads = activations.source_heads()  # (N, L, H*d)
+    L = activations.hidden.shape[1]
+    H, r = target.num_heads, target.kv_lora_rank
+    o_weight = work.source.o_weight.float().to(activations.device) if with_output else None  # residual multiplier folded in
+    with eager_attention(target.config):
+        for batch in activations.batches():
+            x = activations.normed(activations.hidden[batch])  # (b, L, D)
+            b = x.shape[0]
+            batch_heads = heads[batch].to(activations.device)  # (b, L, H*d)
+            t = batch_heads.view(b, L, H, -1).transpose(1, 2)  # (b, H, L, d)
+            p_converted = target(x, position_embeddings=stream.target_rope, attention_mask=stream.causal_mask)[1].float()
+            latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r])  # (b, L, r)
+            f = p_converted @ latent[:, None]  # (b, H, L, r)
+            y = batch_heads @ o_weight.T if with_output else None  # (b, L, D)
+            for k in (0, 1):
+                fold = slice((batch.start + k) % 2, b, 2)
+                yield k, t[fold], f[fold], None if y is None else y[fold]

@@ -1,13 +1,13 @@
 """The data of one attention layer on its way from MHA/GQA to MLA (docs/design.md §3).
 
 Shapes (source): q_proj [H*d, D], k_proj/v_proj [G*d, D], o_proj [D, H*d]; query head h belongs to
-KV group h // (H/G). The conversion steps (``methods.py``) pass these records along; ``attention.py``
-puts them together.
+KV group h // (H/G). Every step (``registry.py``) reads and fills one :class:`LayerWork`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,7 +66,40 @@ class LatentTensors:
 
 
 @dataclass
-class ConvertedAttention:
-    tensors: dict[str, torch.Tensor]  # names relative to ``self_attn.``
+class LayerStatistics:
+    """Activation statistics of one layer's attention input x (the input RMSNorm's output).
+
+    ``None`` fields mean weight-only (x modelled as isotropic)."""
+
+    input_covariance: torch.Tensor | None = None  # (D, D): E[x xᵀ]
+    input_mean: torch.Tensor | None = None  # (D,): E[x]
+    num_tokens: int = 0
+    input_sample: torch.Tensor | None = None  # (n, D): some tokens' x, for per-token statistics
+    # per-head moments, in the coordinates of ``moment_basis`` (m, D) when it is set (m = the rank of the
+    # K/V rows, which is all the latent needs: 2048 of 8192 dims at 70B widths), else (H, D, D)
+    value_covariances: torch.Tensor | None = None  # (H, m, m): E[x̄ x̄ᵀ], x̄ = a head's attention-weighted x
+    key_covariances: torch.Tensor | None = None  # (H, m, m): key-side input moments per head
+    moment_basis: torch.Tensor | None = None  # (m, D): orthonormal rows spanning the source K/V rows
+    distance_histogram: torch.Tensor | None = None  # (H, L): source attention mass at each query-key distance
+    pair_frequencies: torch.Tensor | None = None  # (d/2,): the source's rotation frequency of each pair
+
+
+@dataclass
+class LayerWork:
+    """One layer on its way through the steps: what each step reads, and the slot it fills for the next.
+
+    ``plan`` is the frozen ConversionPlan (convert/plan/resolve.py); ``activations`` is the calibration stream's
+    view of this layer (convert/calibration/stream.LayerActivations), which only the refit and the
+    reconstruction read; None without a stream."""
+
+    layer: int
+    plan: Any
+    source: SourceAttention
+    stats: LayerStatistics
+    activations: Any = None
+    rope: RopeSplit | None = None  # rope_mixing
+    query: QueryNope | None = None  # rope_compensation
+    latent: Latent | None = None  # lowrank
+    written: LatentTensors | None = None  # kv_norm
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the layer's tensors (float64 until written)
     report: dict = field(default_factory=dict)
-    dropped_biases: list[str] = field(default_factory=list)

@@ -5,116 +5,22 @@ read. Nothing downstream re-decides."""
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from mha2mla import UserError
-from mha2mla.convert.engines import Engine, engine, engine_shape
-from mha2mla.convert.methods import Methods, product_methods
 from mha2mla.convert.options import ConvertOptions
-from mha2mla.convert.rope import default_rope_stride, kept_pairs, target_rope_theta, validate_rope_dim
+from mha2mla.convert.plan.engines import Engine, engine, engine_shape
+from mha2mla.convert.plan.methods import Methods, product_methods
+from mha2mla.convert.plan.shape import DTYPES, SourceShape
+from mha2mla.convert.steps.rope import default_rope_stride, kept_pairs, target_rope_theta, validate_rope_dim
 from mha2mla.families import Family
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
-
-
-@dataclass(frozen=True)
-class SourceShape:
-    hidden_size: int  # D
-    num_heads: int  # H
-    num_kv_heads: int  # G
-    head_dim: int  # d
-    num_layers: int  # L
-    rope_theta: float
-    vocab_size: int
-    intermediate_size: int
-    rotary_dim: int = 0  # R: the dims of a head that rotate (d, or d × partial_rotary_factor); 0 means d
-    attention_scale: float = 0.0  # the source's softmax scale (d^-0.5 unless the family sets it); 0 means d^-0.5
-    rope_layers: tuple[bool, ...] = ()  # per layer: whether it applies rope (empty: every layer)
-    embedding_scale: float = 1.0  # the family's multipliers, folded into the weights (docs/convert.md)
-    residual_scale: float = 1.0
-    logits_scale: float = 1.0  # logits are divided by it
-    rope_scaling: str = "default"  # the source's rope_type
-    rotation_gain: float = 1.0  # what the rope scaling multiplies rotated q·k terms by (longrope's attention factor²)
-
-    @classmethod
-    def from_config(cls, config: dict, family: Family | None = None) -> SourceShape:
-        missing = [key for key in REQUIRED_CONFIG_KEYS if config.get(key) is None]
-        if missing:
-            raise UserError(f"the source config.json lacks {', '.join(missing)}; it is incomplete or not a causal LM config.")
-        num_heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-        rope = config.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
-        rotary_dim = int(head_dim * partial)
-        if rotary_dim % 2 or rotary_dim < 2:
-            raise UserError(f"partial_rotary_factor {partial} leaves {rotary_dim} rotating dims per head; RoPE needs an even number.")
-        rope_layers = ()
-        if family is not None and family.rope_layers_key and config.get(family.rope_layers_key) is not None:
-            rope_layers = tuple(bool(flag) for flag in config[family.rope_layers_key])
-        scale = (lambda kind: family.scale(kind, config)) if family is not None else (lambda kind: 1.0)
-        attention_multiplier = family.scale("attention", config) if family is not None and "attention" in family.scales else 0.0
-        return cls(
-            hidden_size=config["hidden_size"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            num_layers=config["num_hidden_layers"],
-            rope_theta=float(theta),
-            vocab_size=config["vocab_size"],
-            intermediate_size=config["intermediate_size"],
-            rotary_dim=rotary_dim,
-            attention_scale=attention_multiplier,
-            rope_layers=rope_layers,
-            embedding_scale=scale("embedding"),
-            residual_scale=scale("residual"),
-            logits_scale=scale("logits"),
-            rope_scaling=rope.get("rope_type", rope.get("type")) or "default",
-            rotation_gain=_attention_factor(rope, config) ** 2,
-        )
-
-    @property
-    def rotating_dims(self) -> int:
-        return self.rotary_dim or self.head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        return self.attention_scale or self.head_dim**-0.5
-
-    def layer_uses_rope(self, layer: int) -> bool:
-        return not self.rope_layers or self.rope_layers[layer]
-
-    @property
-    def kv_values_per_token_per_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim
-
-    @property
-    def max_latent_rank(self) -> int:
-        """The rank of [K_nope; V]: at most its rows and the hidden size."""
-        return min(self.hidden_size, self.kv_values_per_token_per_layer)
-
-
-def _attention_factor(rope: dict, config: dict) -> float:
-    """longrope scales cos and sin by an attention factor (so every rotated q·k term by its square); the
-    other scalings the conversion meets (llama3, linear) scale frequencies only."""
-    if rope.get("rope_type", rope.get("type")) != "longrope":
-        return 1.0
-    if rope.get("attention_factor") is not None:
-        return float(rope["attention_factor"])
-    original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
-    factor = rope.get("factor") or (config.get("max_position_embeddings", original) / original)
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-
-
-# calibration windows by default: 256 measured better than 128 with reconstruction (SmolLM2 at 31.25% / 18.75%:
-# docs/benchmarks.md, "reconstruction"); wider models keep 128, so that one layer's working set at 70B widths
-# stays under 24 GiB (docs/calibration.md, "memory")
+# calibration windows by default (the choice: docs/benchmarks.md, "reconstruction"); wider models keep fewer, so
+# that one layer's working set at 70B widths fits a 24 GiB machine (docs/calibration.md, "memory")
 CALIB_SAMPLES = 256
 CALIB_SAMPLES_WIDE = 128
 WIDE_HIDDEN_SIZE = 4096
@@ -184,8 +90,8 @@ class ConversionPlan:
             f"{'the bundled sample' if self.calibration.text == 'default' else self.calibration.text}, "
             f"{self.calibration.samples} x {self.calibration.seq_len} tokens")
         return (f"calibrated on {where}: {m.rope_mixing} rope mixing, {m.rope_compensation} rope compensation, "
-                f"{m.lowrank} low rank, {m.kv_norm} kv_a_layernorm, refit {'on' if m.refit else 'off'}, "
-                f"reconstruction {'on' if m.reconstruct else 'off'}, {'sequential' if m.sequential else 'source-stream'} statistics")
+                f"{m.lowrank} low rank, {m.kv_norm} kv_a_layernorm, refit {'on' if m.refit != 'none' else 'off'}, "
+                f"reconstruction {'on' if m.reconstruct != 'none' else 'off'}, {'sequential' if m.sequential else 'source-stream'} statistics")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -345,26 +251,3 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
         biases=biases,
         warnings=tuple(warnings),
     )
-
-
-def format_plan(plan: ConversionPlan) -> str:
-    """A human-readable plan for --dry-run and the CLI."""
-    s = plan.shape
-    kv = plan.kv_bytes_per_token()
-    params = plan.attention_parameters()
-    lines = [
-        f"family {plan.family}, profile {plan.profile}, target {engine(plan.target).label}, dtype {plan.dtype}",
-        f"source: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV heads, head dim {s.head_dim}, rope theta {s.rope_theta:g}",
-        f"output: kv_lora_rank {plan.kv_lora_rank} (latent rank {plan.latent_rank}"
-        f"{f' + {plan.extra_channels} {plan.methods.kv_norm} channel' if plan.extra_channels else ''}), "
-        f"rope dim {plan.rope_dim} (pairs {list(plan.rope_pairs[:4])}{'...' if len(plan.rope_pairs) > 4 else ''}), rope theta {plan.target_rope_theta:g}",
-        f"method: {plan.method_summary()}",
-        *([f"value heads zero-padded from {s.head_dim} to {plan.v_head_dim} dims (exact) for {engine(plan.target).label}"]
-          if plan.v_head_dim != s.head_dim else []),
-        f"per layer: r={plan.kv_lora_rank}, d_r={plan.rope_dim} for all {s.num_layers} layers (global in the config)",
-        f"KV cache per token ({plan.dtype}, all layers): {kv['source']:,.0f} B -> {kv['converted']:,.0f} B "
-        f"({100 * kv['ratio']:.2f}% of the source)",
-        f"attention parameters: {params['source_total']:,} -> {params['converted_total']:,}",
-    ]
-    lines += [f"warning: {w}" for w in plan.warnings]
-    return "\n".join(lines)

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mha2mla.convert.steps.records import LatentTensors, LayerWork
+from mha2mla.convert.steps.registry import register, require
+
 
 def constant_for(dtype: torch.dtype) -> float:
     """The constant-channel value B: large against the latents, representable in ``dtype``."""
@@ -106,7 +109,7 @@ def stabilized_norm(down: torch.Tensor, input_covariance: torch.Tensor | None, i
     target = (target_energy - energy).clamp_min(0).sqrt()  # (n,)
     ridge = 1e-3 * x.pow(2).mean() * torch.eye(x.shape[1], dtype=x.dtype)
     first = torch.linalg.solve(x.T @ x / n + ridge, x.T @ target / n)  # (D,)
-    # the fit runs in float32 (4× faster than float64 on CPU; the objective is a smooth mean over tokens)
+    # the fit runs in float32: faster than float64 on CPU, and the objective is a smooth mean over tokens
     f32 = torch.float32
     rows = torch.zeros(channels, x.shape[1], dtype=f32)
     rows[0] = first.to(f32)
@@ -135,3 +138,65 @@ def stabilized_norm(down: torch.Tensor, input_covariance: torch.Tensor | None, i
         optimizer.step()
     weight = torch.cat([log_weight.detach().exp(), torch.ones(channels, dtype=f32)])
     return CalibratedNorm(latent_scale=scale, weight=weight.to(down.dtype), stabilizer=rows.detach().to(down.dtype))
+
+
+# ---- kv_norm: fills work.written, the latent side of the target layer
+@register("kv_norm", "neutralised", profiles=("exact",), extra_channels=1)
+def neutralised_latent(work: LayerWork) -> None:
+    """Exact profile: a constant latent channel makes kv_a_layernorm the identity and carries the
+    K/V biases through kv_b_proj (docs/design.md §3.3, §3.4)."""
+    latent, rope, source = work.latent, work.rope, work.source
+    f64 = torch.float64
+    H, d, r = latent.up_k.shape
+    D = latent.down.shape[1]
+    G = rope.key_nope_weight.shape[0]
+    norm = neutralised_norm(r + 1, work.plan.torch_dtype)
+    kv_a_w = torch.cat([latent.down, torch.zeros(1, D, dtype=f64), rope.key_weight], dim=0)  # (r+1+d_r, D)
+    kv_a_b = torch.cat([torch.zeros(r, dtype=f64), norm.bias_value.to(f64).view(1), rope.key_bias])
+    const_k = rope.key_nope_bias if rope.key_nope_bias is not None else torch.zeros(G, d, dtype=f64)
+    const_v = source.v_bias.to(f64).view(G, d) if source.v_bias is not None else torch.zeros(G, d, dtype=f64)
+    const_k, const_v = const_k.repeat_interleave(H // G, 0), const_v.repeat_interleave(H // G, 0)  # (H, d)
+    up_k = torch.cat([latent.up_k / norm.real_scale, const_k[:, :, None] / norm.constant_value], dim=2)  # (H, d, r+1)
+    up_v = torch.cat([latent.up_v / norm.real_scale, const_v[:, :, None] / norm.constant_value], dim=2)
+    o_bias = source.o_bias.to(f64) if source.o_bias is not None else torch.zeros(D, dtype=f64)
+    work.written = LatentTensors({
+        "kv_a_proj_with_mqa.weight": kv_a_w, "kv_a_proj_with_mqa.bias": kv_a_b, "kv_a_layernorm.weight": norm.norm_weight,
+        "kv_b_proj.weight": torch.cat([up_k, up_v], dim=1).reshape(H * 2 * d, r + 1), "o_proj.bias": o_bias,
+    })
+
+
+def _portable_latent(work: LayerWork, norm: CalibratedNorm) -> LatentTensors:
+    """Portable profile: unit-RMS latent (far above any eps), the calibrated norm weight, stabiliser
+    rows that kv_b_proj never reads; biases cannot be carried and are listed as dropped."""
+    latent, rope, source = work.latent, work.rope, work.source
+    f64 = torch.float64
+    H, d, _ = latent.up_k.shape
+    down = latent.down / norm.latent_scale
+    up_k, up_v = latent.up_k * norm.latent_scale, latent.up_v * norm.latent_scale
+    if norm.stabilizer is not None:  # extra latent rows that kv_b_proj never reads
+        down = torch.cat([down, norm.stabilizer.to(f64)], dim=0)  # (r+k, D)
+        zeros = torch.zeros(H, d, norm.stabilizer.shape[0], dtype=f64)
+        up_k, up_v = torch.cat([up_k, zeros], dim=2), torch.cat([up_v, zeros], dim=2)
+    dropped = [name for name, bias in (("q", source.q_bias), ("k_rope", source.k_bias), ("v", source.v_bias),
+                                       ("o", source.o_bias)) if bias is not None and float(bias.abs().max()) > 0]
+    return LatentTensors({
+        "kv_a_proj_with_mqa.weight": torch.cat([down, rope.key_weight], dim=0),  # (r_cfg+d_r, D)
+        "kv_a_layernorm.weight": norm.weight,
+        "kv_b_proj.weight": torch.cat([up_k, up_v], dim=1).reshape(H * 2 * d, -1),  # (H*2d, r_cfg)
+    }, dropped)
+
+
+@register("kv_norm", "rms", profiles=("portable",))
+def unit_rms_latent(work: LayerWork) -> None:
+    """Portable, no extra channel: the latent scaled to unit expected RMS, norm weight 1."""
+    cov = None if work.stats.input_covariance is None else work.stats.input_covariance.to(torch.float64)
+    input_scale = None if cov is not None else work.source.input_norm_weight.to(torch.float64)
+    work.written = _portable_latent(work, unit_rms_norm(work.latent.down, cov, input_scale))
+
+
+@register("kv_norm", "stabilized", needs_statistics=True, profiles=("portable",), extra_channels=1)
+def stabilized_latent(work: LayerWork) -> None:
+    """Portable, calibrated: one stabiliser channel keeps each token's latent RMS steady."""
+    sample = require(work.stats.input_sample, "input sample", "stabilised kv_a_layernorm").to(torch.float64)
+    cov = require(work.stats.input_covariance, "input covariance", "stabilised kv_a_layernorm").to(torch.float64)
+    work.written = _portable_latent(work, stabilized_norm(work.latent.down, cov, sample, channels=1))

@@ -6,7 +6,7 @@
 - ``joint_low_rank(..., input_covariance=None)`` — weight-only: the top-r left singular vectors of M
   (inputs modelled isotropic); the fast path, poor at small budgets without recovery.
 - ``joint_low_rank(..., input_covariance=Σ)`` — activation PCA: the top-r eigenvectors of ``M Σ Mᵀ``
-  with Σ = E[x xᵀ] measured on calibration tokens; the starting point of the next one.
+  with Σ = E[x xᵀ] taken on calibration tokens; the starting point of the next one.
 - ``attention_aware_low_rank`` — the calibrated default: the latent refined to what attention reads,
   and one up-projection per query head (docs/calibration.md).
 
@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Adam steps refining the attention-aware latent (converged to ~1e-4 of the objective on SmolLM2)
+from mha2mla.convert.steps.records import Latent, LayerWork
+from mha2mla.convert.steps.registry import register, require
+
+# Adam steps refining the attention-aware latent (enough to converge on SmolLM2: docs/calibration.md)
 LATENT_STEPS = 50
 
 
@@ -39,8 +42,8 @@ def threads(count: int):
 
 
 def single_thread():
-    """float64 eigh/svd on 2 threads can be 100× slower than on 1 (docs/design.md §3, numerics); float32
-    products inside such a block go back to every thread (``threads(THREADS)``)."""
+    """One thread: float64 eigh/svd run far slower on several threads than on one (docs/design.md §3, numerics);
+    float32 products inside such a block go back to every thread (``threads(THREADS)``)."""
     return threads(1)
 
 
@@ -62,7 +65,7 @@ def joint_low_rank(
 ) -> LowRankFactors:
     """Factor ``[key_nope; value]`` (``[n_k, D]`` and ``[n_v, D]``) to rank ``rank``: the SVD of the
     weights when ``input_covariance`` is None, else the PCA of the outputs over inputs with that
-    second moment (errors are measured the same way)."""
+    second moment (errors are computed the same way)."""
     cov = input_covariance
     n_key = key_nope.shape[0]
 
@@ -148,7 +151,7 @@ def optimise_down(prepared, down: torch.Tensor, steps: int, lr: float = 1e-2) ->
 def row_space_basis(k_weight: torch.Tensor, v_weight: torch.Tensor) -> torch.Tensor | None:
     """Orthonormal rows (m, D) spanning the rows of the source's K and V projections, or None when they span
     every input direction (m = D: MHA). Everything the latent has to carry lies in this row space, so the
-    per-head moments are measured in its m coordinates (docs/calibration.md, "memory")."""
+    per-head moments are taken in its m coordinates (docs/calibration.md, "memory")."""
     rows = torch.cat([k_weight, v_weight]).to(torch.float64)  # (2·G·d, D)
     if rows.shape[0] >= rows.shape[1]:
         return None
@@ -219,3 +222,50 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
         up_k = torch.stack([regression_up(key_nope[h // per], key_covariances[h].to(dtype), down) for h in range(H)])
         up_v = torch.stack([regression_up(value[h // per], value_covariances[h].to(dtype), down) for h in range(H)])
     return up_k, up_v, down
+
+
+# ---- lowrank: fills work.latent from the NoPE keys (work.rope) and the values, read as work.query reads them
+def _per_head(factors, num_groups: int, num_heads: int) -> Latent:
+    """One up-projection per KV group, shared by its query heads."""
+    G, per = num_groups, num_heads // num_groups
+    rows = factors.up.shape[0] // 2
+    up_k = factors.up[:rows].view(G, rows // G, -1).repeat_interleave(per, dim=0)  # (H, d, r)
+    up_v = factors.up[rows:].view(G, rows // G, -1).repeat_interleave(per, dim=0)  # (H, d, r)
+    return Latent(up_k=up_k, up_v=up_v, down=factors.down)
+
+
+def _rows(work: LayerWork) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NoPE key rows and the value rows, each (G, d, D) in float64."""
+    G, d = work.plan.shape.num_kv_heads, work.plan.shape.head_dim
+    return work.rope.key_nope_weight, work.source.v_weight.to(torch.float64).view(G, d, -1)
+
+
+@register("lowrank", "svd")
+def svd_latent(work: LayerWork) -> None:
+    """Weight-only: the SVD of the stacked [K_nope; V] rows."""
+    key_nope, value = _rows(work)
+    G, d, D = value.shape
+    factors = joint_low_rank(key_nope.reshape(G * d, D), value.reshape(G * d, D), work.plan.latent_rank)
+    work.latent = _per_head(factors, G, work.plan.shape.num_heads)
+
+
+@register("lowrank", "pca", needs_statistics=True)
+def pca_latent(work: LayerWork) -> None:
+    """Activation PCA of the stacked [K_nope; V] outputs (a benchmark baseline)."""
+    key_nope, value = _rows(work)
+    G, d, D = value.shape
+    cov = require(work.stats.input_covariance, "input covariance", "pca low rank").to(torch.float64)
+    factors = joint_low_rank(key_nope.reshape(G * d, D), value.reshape(G * d, D), work.plan.latent_rank, cov)
+    work.latent = _per_head(factors, G, work.plan.shape.num_heads)
+
+
+@register("lowrank", "attention", needs_statistics=True)
+def attention_latent(work: LayerWork) -> None:
+    """The latent refined to what attention reads, per-query-head up-projections (docs/calibration.md)."""
+    key_nope, value = _rows(work)
+    stats = work.stats
+    cov = require(stats.input_covariance, "input covariance", "attention-aware low rank").to(torch.float64)
+    values = require(stats.value_covariances, "value covariances", "attention-aware low rank")
+    up_k, up_v, down = attention_aware_low_rank(key_nope, value, work.plan.latent_rank, cov, values, stats.key_covariances,
+                                                key_row_weight=work.query.key_row_weight, basis=stats.moment_basis)
+    work.latent = Latent(up_k=up_k, up_v=up_v, down=down)

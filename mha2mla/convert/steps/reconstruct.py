@@ -5,12 +5,12 @@ sequences — the keys and the softmax included, where the closed forms stop.
 One layer at a time, as post-training quantisation reconstructs blocks: the inputs x come from the
 converted stream, the targets y from the source stream — the source layer's attention output plus the
 drift h_source − h_converted that the earlier converted layers left in the residual stream, so that the
-converted residual after this attention matches the source's where the attention can make it (measured
-better than the attention output alone, and than whole blocks with the MLP: docs/calibration.md) — except
-at attention sinks (``MASSIVE_NORM_RATIO``), whose drift is left out. Adam on a relative squared error,
+converted residual after this attention matches the source's where the attention can make it (the target
+chosen over the attention output alone and over whole blocks: docs/benchmarks.md) — except at attention
+sinks (``MASSIVE_NORM_RATIO``), whose drift is left out. Adam on a relative squared error,
 E‖f(x) − y‖² / E‖y‖²; every parameter's step size is relative to its own RMS, warmed up over
-``WARMUP_STEPS`` and decayed to zero by a cosine over ``MAX_STEPS``. A part of the sequences is held out: the loss on it is measured every ``EVAL_EVERY``
-steps, the best point is kept (the initial one included, so reconstruction never makes the held-out
+``WARMUP_STEPS`` and decayed to zero by a cosine over ``MAX_STEPS``. A part of the sequences is held out:
+its loss is evaluated every ``EVAL_EVERY`` steps, the best point is kept (the initial one included, so reconstruction never makes the held-out
 error worse) and the loop stops after ``PATIENCE`` measurements without a gain. What the profile must
 keep fixed stays fixed: in the exact profile the constant channel (its kv_a row and bias) and the
 neutralised kv_a_layernorm.
@@ -24,22 +24,22 @@ from dataclasses import dataclass
 
 import torch
 
+from mha2mla.convert.steps.records import LayerWork
+from mha2mla.convert.steps.registry import register
+from mha2mla.modeling.eager import eager_attention
+
 MAX_STEPS = 240
 WARMUP_STEPS = 10
 EVAL_EVERY = 20
 PATIENCE = 2
 BATCH_SEQUENCES = 4
-# peak step size relative to each parameter's RMS. Measured on SmolLM2 (docs/calibration.md, "reconstruction"):
-# a constant 1e-2 first raises the error (layer 3 at 31.25%: 0.46 → 0.59 after 10 steps) and 1e-3 barely
-# moves it; warm-up and cosine decay from 5e-3–8e-3 lower it at once; end to end, 120 steps beat 60 and 240
-# beat 120 (docs/benchmarks.md, "reconstruction")
+# peak step size relative to each parameter's RMS, and the step count: the schedule chosen on SmolLM2
+# (docs/benchmarks.md, "reconstruction")
 LEARNING_RATE = 8e-3
 HELD_OUT_FRACTION = 0.125
 # a token whose source residual norm passes this multiple of the layer's median token norm carries a massive
-# activation — an attention sink: in SmolLM2 every window's first token passes it in layers 12–28 (39–217× the
-# median where measured), with one other token per layer of the 32,768, and no token passes it before layer
-# 12. Its drift is left out of the target: the attention cannot cancel it, and it would dominate the loss
-# (docs/calibration.md, "reconstruction")
+# activation (an attention sink): its drift is left out of the target, since the attention cannot cancel it and
+# it would dominate the loss (docs/calibration.md, "reconstruction"; where SmolLM2 has them: docs/benchmarks.md)
 MASSIVE_NORM_RATIO = 20.0
 
 
@@ -138,3 +138,36 @@ def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, 
             p.requires_grad_(False)
     return {"reconstruction_error": before, "reconstruction_error_after": best_error, "reconstruction_steps": steps,
             "reconstruction_seconds": round(time.time() - started, 2)}
+
+
+@register("reconstruct", "gradient", needs_activations=True)
+def gradient_reconstruction(work: LayerWork) -> None:
+    """The converted layer fitted by gradient descent (:func:`reconstruct`) on the inputs of the stream being
+    calibrated, towards the source stream's residual after the attention: the source layer's attention output
+    plus the drift h_source − h_converted the earlier converted layers left, except at attention sinks. Without
+    a second stream there is no drift to take up."""
+    activations, tensors = work.activations, work.tensors
+    target = activations.target_attention(tensors)
+    hidden, source_hidden = activations.hidden, activations.source_hidden
+    with torch.no_grad():
+        x = torch.cat([activations.normed(hidden[batch]) for batch in activations.batches()])
+        heads = activations.source_heads()
+        # an attention sink's drift is left out: the attention cannot cancel it, and it would dominate the loss
+        massive = None if source_hidden is None else massive_tokens(source_hidden).to(activations.device)
+        targets = []
+        for batch in activations.batches():
+            y = activations.source_output(None, heads[batch])
+            if massive is not None:
+                y += (source_hidden[batch] - hidden[batch]) * ~massive[batch, :, None]
+            targets.append(y)
+        y = torch.cat(targets)
+    # on a CPU eager softmax with the explicit causal mask (faster there: docs/benchmarks.md); on a GPU causal sdpa
+    cpu = activations.device.type == "cpu"
+    stream = activations.stream
+    data = ReconstructionData(x, y, stream.target_rope, stream.causal_mask if cpu else None)
+    with eager_attention(*([target.config] if cpu else [])):
+        report = reconstruct(target, data, exact=work.plan.profile == "exact")
+    report["reconstruction_massive_tokens"] = 0 if massive is None else int(massive.sum())
+    state = target.state_dict()
+    work.tensors = {name: state[name].to(tensor.dtype).cpu() for name, tensor in tensors.items()}
+    work.report.update(report)

@@ -17,23 +17,13 @@ from pathlib import Path
 
 import torch
 
-from mha2mla.convert.plan import ConversionPlan
+from mha2mla.convert.plan.resolve import ConversionPlan
+from mha2mla.convert.steps.refit import refit_cache_bytes
 
 GIB = 1024**3
 F32, F64 = 4, 8
 # attention probabilities of one batch are kept under this many bytes (the batch shrinks for long sequences)
 PROBABILITY_BYTES = 512 * 1024**2
-# the refit keeps its first pass's latents and targets for the second when they take at most this much
-REFIT_CACHE_BYTES = 512 * 1024**2
-
-
-def refit_cache_bytes(tokens: int, heads: int, rank: int, hidden: int) -> int:
-    """What the refit keeps of its first pass for the second (averaged latents and targets, float32):
-    their size when at most REFIT_CACHE_BYTES, else 0 (the second pass computes them again)."""
-    size = tokens * (heads * rank + hidden) * F32
-    return size if size <= REFIT_CACHE_BYTES else 0
-
-
 def available_memory() -> int:
     """MemAvailable of this machine in bytes (the cgroup limit when lower), 0 when unknown."""
     available = 0
@@ -60,7 +50,7 @@ def calibration_batch(plan: ConversionPlan) -> int:
 
 
 def hidden_streams(plan: ConversionPlan) -> int:
-    return 2 if plan.methods.sequential and (plan.methods.refit or plan.methods.reconstruct) else 1
+    return 2 if plan.methods.sequential and plan.methods.fits_layers else 1
 
 
 def layer_memory(plan: ConversionPlan) -> dict[str, int]:
@@ -73,16 +63,16 @@ def layer_memory(plan: ConversionPlan) -> dict[str, int]:
     batch = calibration_batch(plan)
     terms = {
         # the hidden states, and the source attention's head outputs the refit and the reconstruction share
-        "hidden states": (hidden_streams(plan) * D + (H * d if plan.methods.refit or plan.methods.reconstruct else 0)) * tokens * F32,
+        "hidden states": (hidden_streams(plan) * D + (H * d if plan.methods.fits_layers else 0)) * tokens * F32,
         "source layer (float32, read + copy)": 2 * layer_params * F32,
         "per-head moments": 2 * H * m * m * F32 + 2 * D * D * F64,
         "latent fit (group moments, float64 work)": (0 if H == G else 2 * G * m * m * F32) + 2 * m * m * F64 + 4 * H * d * D * F64,
         "one batch of attention": batch * (3 * H * c.seq_len * c.seq_len + 4 * c.seq_len * (D + H * (d + r))) * F32,
     }
-    if plan.methods.refit:
+    if plan.methods.refit != "none":
         terms["o_proj refit moments"] = (2 * (H * d) ** 2 + 2 * D * H * d) * F64 + 2 * (H * d) ** 2 * F64
         terms["refit's kept first pass"] = refit_cache_bytes(tokens, H, plan.kv_lora_rank, D)
-    if plan.methods.reconstruct:
+    if plan.methods.reconstruct != "none":
         terms["reconstruction inputs and targets"] = 2 * tokens * D * F32
     return terms
 

@@ -1,0 +1,1 @@
+"""The calibration stream: calibration tokens carried through the layers, and the statistics taken at each."""

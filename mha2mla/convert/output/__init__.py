@@ -1,0 +1,1 @@
+"""What a conversion writes besides the tensors, and the checks every output must pass."""
