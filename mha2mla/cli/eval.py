@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
+from mha2mla.extras import require_extra
 from mha2mla.io.source import check_source
 
 ModelsArg = Annotated[
@@ -76,6 +77,7 @@ def eval_command(
     recipe: RecipeOpt = None,
 ) -> None:
     """Evaluate MODELs (and a --baseline) with the same tasks, limit and seed; print and save the comparison."""
+    require_extra("eval", "`mha2mla eval`")
     for spec in [*(models or []), baseline]:  # a mistyped path is one sentence before torch and lm-eval load
         if spec not in (None, "default"):
             check_source(spec)

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from mha2mla.extras import require_extra
+
 
 def export_gguf_command(
     model: Path = typer.Argument(..., help="A folder written by `mha2mla convert` (portable profile)."),
@@ -16,6 +18,7 @@ def export_gguf_command(
     force: bool = typer.Option(False, "--force", help="Replace an existing OUT."),
 ) -> None:
     """Write MODEL as a GGUF that llama.cpp runs as deepseek2, caching kv_lora_rank + rope dims per token and layer."""
+    require_extra("gguf", "`mha2mla export-gguf`")
     from mha2mla.export.gguf import export_gguf  # torch and transformers load only when a command runs
 
     path = export_gguf(model, out, tensor_type, force=force, pre_tokenizer=pre)

@@ -19,6 +19,7 @@ from pydantic.fields import FieldInfo
 
 from mha2mla import UserError
 from mha2mla.convert.options import load_recipe
+from mha2mla.extras import require_extra
 from mha2mla.train.config import LoraSettings, RecoverConfig, merge_settings
 
 # settings whose flag is not ``--`` + the name with dashes
@@ -138,6 +139,7 @@ def recover_command(
 ) -> None:
     """Heal a converted MLA model: LoRA (or full attention) fine-tuning, optional distillation from the
     source, resumable checkpoints, and the merged native DeepSeek-V3 checkpoint written to OUT."""
+    require_extra("recover", "`mha2mla recover`")
     from mha2mla.train.trainer import recover  # torch, accelerate, peft: only once a run starts
 
     flags = {
