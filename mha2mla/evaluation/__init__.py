@@ -1,17 +1,19 @@
 """Evaluation: lm-evaluation-harness tasks (hub and bundled offline ones), token perplexity of text files,
 measured KV-cache size, reports.
 
-Library first: ``evaluate_model(model, tokenizer, tasks)`` works on any causal LM in memory, ``run_eval``
-is what ``mha2mla eval`` calls. Everything loads on first use, so importing the package (``mha2mla eval --help``)
-needs neither torch nor the eval extra (lm-eval).
+Library first: ``evaluate_model(model, tokenizer, tasks)`` works on any causal LM in memory, ``run_eval(EvalConfig(...))``
+is what ``mha2mla eval`` calls. Everything but ``EvalConfig`` loads on first use, so reading the settings (a recipe,
+``mha2mla eval --help``) needs neither torch nor the eval extra (lm-eval).
 """
 
 from __future__ import annotations
 
 import importlib
 
+from mha2mla.evaluation.config import EvalConfig
+
 _LAZY = {
-    "evaluate_loaded": "compare", "run_eval": "compare",  # measure(): evaluation.compare.measure
+    "evaluate_loaded": "compare", "run_eval": "compare",
     "evaluate_model": "harness",
     "LoadedModel": "loading", "load_model": "loading",
     "forward_throughput": "measure", "kv_cache_size": "measure", "parameter_counts": "measure",
@@ -21,7 +23,7 @@ _LAZY = {
     "is_offline": "tasks", "task_manager": "tasks",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["EvalConfig", *sorted(_LAZY)]
 
 
 def __getattr__(name: str):
