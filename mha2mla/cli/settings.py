@@ -20,14 +20,13 @@ from mha2mla.recipes import build_settings
 
 @dataclass(frozen=True)
 class Flags:
-    """How a command shows its model's settings: which ones (dotted keys for nested models, ``lora.rank``), under
-    which flag when not ``--`` + the key with dashes, with a metavar or an extra word of help."""
+    """How a command shows its model's settings: which ones (dotted keys for nested models, ``lora.rank``), which
+    are its arguments, under which flag when not ``--`` + the key with dashes, and with which metavar."""
 
     settings: tuple[str, ...]
     arguments: tuple[str, ...] = ()  # settings that are the command's own arguments (MODEL), not options
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)  # setting -> ("--lr",) or ("--tasks", "-t")
     metavars: dict[str, str] = field(default_factory=dict)
-    hidden: tuple[str, ...] = ()
 
     def flag(self, key: str) -> str:
         return self.names.get(key, ("--" + key.replace("_", "-").replace(".", "-"),))[0]
@@ -83,6 +82,7 @@ def help_text(info: FieldInfo, repeatable: bool = False) -> str:
 
 
 def option_parameter(model: type[BaseModel], key: str, flags: Flags) -> inspect.Parameter:
+    """The typer option of one setting: None unless given, its help and choices from the field."""
     info = model_field(model, key)
     kind = _cli_type(info.annotation)
     names = flags.names.get(key, (flags.flag(key),))
@@ -91,7 +91,7 @@ def option_parameter(model: type[BaseModel], key: str, flags: Flags) -> inspect.
     choices = get_args(_bare(info.annotation)) if get_origin(_bare(info.annotation)) is Literal else ()
     metavar = flags.metavars.get(key) or ("[" + "|".join(choices) + "]" if choices else None)
     option = typer.Option(None, *names, help=help_text(info, get_origin(kind) is list), metavar=metavar,
-                          hidden=key in flags.hidden, show_default=False)
+                          show_default=False)
     return inspect.Parameter(flags.parameter(key), inspect.Parameter.KEYWORD_ONLY, default=option,
                              annotation=Optional[kind])
 
