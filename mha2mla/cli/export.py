@@ -13,7 +13,7 @@ from mha2mla.extras import require_extra
 def export_gguf_command(
     model: Path = typer.Argument(..., help="A folder written by `mha2mla convert` (portable profile)."),
     out: Path = typer.Argument(..., help="The .gguf file to write."),
-    tensor_type: str = typer.Option("f16", "--type", metavar="TYPE", help="Matrix type: f16 (default), f32, bf16 or a q* block type the gguf package writes (docs/engines.md; norms stay f32, attn_kv_a_mqa f16 under q*)."),
+    tensor_type: str = typer.Option("f16", "--type", metavar="TYPE", help="Matrix type: f16, f32, bf16 or a q* block type the gguf package writes (docs/engines.md; norms stay f32, attn_kv_a_mqa f16 under q*)."),
     pre: Optional[str] = typer.Option(None, "--pre", metavar="NAME", help="llama.cpp pre-tokenizer name, when the tokenizer's is not recognised."),
     force: bool = typer.Option(False, "--force", help="Replace an existing OUT."),
 ) -> None:
