@@ -112,3 +112,12 @@ def test_core_dependencies_leave_the_extras_out():
     extras = project["optional-dependencies"]
     assert {"eval", "recover", "gguf", "kernels", "all"} <= extras.keys()
     assert extras["all"] == ["mha2mla[eval,recover,gguf,kernels]"]
+
+
+def test_a_checkout_finds_its_own_cache(monkeypatch):
+    """Run from a checkout, the library reads the cache that scripts/assets.py (make assets) fills."""
+    from mha2mla.io.cache import cache_dir
+
+    monkeypatch.delenv("MHA2MLA_CACHE", raising=False)
+    assert (ROOT / "scripts" / "assets.py").is_file()
+    assert cache_dir() == ROOT / ".cache"
