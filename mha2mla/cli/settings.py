@@ -69,6 +69,7 @@ def help_text(info: FieldInfo, repeatable: bool = False) -> str:
     if "_" not in text.partition(" ")[0]:  # a sentence, unless it starts with a setting's name
         text = text[:1].upper() + text[1:]
     text += " (repeatable)" if repeatable and "repeat" not in text else ""
+    text += ", comma-separated" if get_origin(_bare(info.annotation)) is tuple else ""
     default = None if info.is_required() else info.default
     if default is None or (isinstance(default, list | tuple) and not default):
         return text + "."
