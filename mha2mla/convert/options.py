@@ -102,7 +102,8 @@ class ConvertOptions(BaseModel):
     def _weight_only_calibrates_nothing(self):
         if self.calib is not None:
             return self
-        given = [key for key in CALIBRATION_KEYS if key in self.model_fields_set]
+        given = [key for key in CALIBRATION_KEYS  # set to something else than the default, which nothing reads here
+                 if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default]
         if self.reconstruct and "reconstruct" in self.model_fields_set:
             given.append("reconstruct")
         if given:
