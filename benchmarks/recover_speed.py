@@ -24,13 +24,13 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
 
 # after sys.path and MHA2MLA_CACHE are set
-import assets  # noqa: E402  (benchmarks/assets.py)
 import torch  # noqa: E402
 
 from mha2mla.train import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig  # noqa: E402
 from mha2mla.train.data import pack_token_lists  # noqa: E402
 from mha2mla.train.model import load_student, load_teacher, load_tokenizer, make_trainable  # noqa: E402
 from mha2mla.train.recipe import RecoveryRecipe  # noqa: E402
+from scripts import assets  # noqa: E402
 
 
 def timed_step(recipe: RecoveryRecipe, batch: dict[str, torch.Tensor]) -> float:

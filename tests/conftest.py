@@ -1,11 +1,6 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-# benchmarks/assets.py (fetches the default model and held-out texts) is importable as `assets` in tests.
-sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # The Triton interpreter must be chosen before any @triton.jit function is imported.
 try:

@@ -148,7 +148,7 @@ def test_nan_weights(tmp_path, capsys):
         (["--kv-budget", "0.25", "--kv-lora-rank", "8", "--rope-dim", "8"], "not both"),
         (["--kv-lora-rank", "8"], "--rope-dim"),
         (["--kv-lora-rank", "100000000", "--rope-dim", "8"], "more than a layer can use"),
-        (["--kv-budget", "1.5"], "kv_budget"),
+        (["--kv-budget", "1.5"], "invalid --kv-budget: must be a fraction in (0, 1]."),
         (["--profile", "fast"], "profile"),
     ],
 )
@@ -157,6 +157,41 @@ def test_bad_sizes(source, tmp_path, capsys, args, needle):
     out.parent.mkdir()
     code, _, err = run_cli(["convert", source, out, *args], capsys)
     _assert_clean_failure(code, err, out, needle)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--calib", "none", "--calib-samples", "8"], "so calib_samples (--calib-samples) contradicts it"),
+        (["--calib", "none", "--reconstruct"], "so reconstruct (--reconstruct) contradicts it"),
+        (["--calib", "NONE", "--calib-device", "cpu"], "so calib_device (--calib-device) contradicts it"),
+    ],
+)
+def test_weight_only_refuses_calibration_settings(source, tmp_path, capsys, args, needle):
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", source, out, *args], capsys)
+    assert code == 2
+    _assert_clean_failure(code, err, out, needle)
+
+
+def test_weight_only_contradicted_by_the_recipe_names_the_recipe_key(source, tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("convert:\n  calib_samples: 8\n")
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    code, _, err = run_cli(["convert", source, out, "--recipe", recipe, "--calib", "none"], capsys)
+    _assert_clean_failure(code, err, out, "calib_samples")
+    code, _, err = run_cli(["convert", source, out, "--recipe", recipe, "--calib", "none", "--dry-run"], capsys)
+    assert code == 2  # a dry run is refused the same way
+
+
+def test_out_inside_the_source_folder_is_refused(source, tmp_path, capsys):
+    before = sorted(p.name for p in source.iterdir())
+    code, _, err = run_cli(["convert", source, source / "mla", "--calib", "none", "--no-progress"], capsys)
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "inside the source model" in err
+    assert sorted(p.name for p in source.iterdir()) == before
 
 
 def test_existing_out_is_refused_without_force(source, tmp_path, capsys):

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from assets import default_model_gguf  # benchmarks/assets.py: fetched on first use
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.pipeline import convert
 from mha2mla.export import export_gguf
+from scripts.assets import default_model_gguf  # fetched on first use
 
 pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python: run `make test-engines`")

@@ -458,9 +458,9 @@ def test_recipe_eval_section_with_flags_winning(models, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "section, message",
     [
-        ({"taks": ["kjv_ppl"]}, "eval.taks is not an eval setting (did you mean 'tasks'?)"),
-        ({"limit": -1}, "eval.limit: Input should be greater than 0"),
-        ({"dtype": "fp8"}, "eval.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
+        ({"taks": ["kjv_ppl"]}, "recipe {recipe} has an unknown eval setting 'taks' (did you mean 'tasks'?); fix or remove it."),
+        ({"limit": -1}, "invalid `limit` under `eval:` in {recipe}: input should be greater than 0."),
+        ({"dtype": "fp8"}, "`dtype` under `eval:` in {recipe} must be one of 'auto', 'float32', 'bfloat16' or 'float16', not 'fp8'."),
     ],
 )
 def test_invalid_recipe_eval_section_is_one_sentence(section, message, models, tmp_path, monkeypatch, capsys):
@@ -470,7 +470,7 @@ def test_invalid_recipe_eval_section_is_one_sentence(section, message, models, t
     recipe.write_text(yaml.safe_dump({"eval": section}))
     code, err = _error_of([str(models["source"]), "--recipe", str(recipe)], monkeypatch, capsys)
     assert code == 2
-    assert err == f"error: recipe {recipe} has an invalid eval section: {message}; fix or remove that key."
+    assert err == "error: " + message.format(recipe=recipe)
 
 
 def test_every_recipe_eval_section_is_valid(eval_cache):
@@ -480,14 +480,14 @@ def test_every_recipe_eval_section_is_valid(eval_cache):
     import yaml
 
     from mha2mla.evaluation import task_manager
-    from mha2mla.evaluation.recipe import load_eval_settings
     from mha2mla.evaluation.tasks import parse_task_list
+    from mha2mla.recipes import build_settings
 
     recipes = sorted(Path(__file__).resolve().parents[1].glob("recipes/*/*.yaml"))
     with_eval = [path for path in recipes if "eval" in (yaml.safe_load(path.read_text()) or {})]
     assert any("smollm2" in str(path) for path in with_eval)
     known = set(task_manager().all_tasks)
     for path in with_eval:
-        settings = load_eval_settings(path)
+        settings = build_settings("eval", path, {})
         assert settings.tasks, path
         assert set(parse_task_list(settings.tasks)) <= known, path

@@ -264,7 +264,7 @@ def test_converted_smollm2_matches_transformers(tmp_path):
     of magnitude ~30, so a looser absolute tolerance than on the tiny models), 5,760 cache bytes per token."""
     import subprocess
 
-    from assets import cache_dir, default_model_gguf  # benchmarks/assets.py (tests/conftest.py puts it on sys.path)
+    from scripts.assets import cache_dir, default_model_gguf  # fetched on first use
 
     folder = cache_dir() / "converted" / "smollm2-135m-kv0.125"
     if not (folder / "absorbed.json").exists():

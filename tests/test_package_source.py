@@ -1,5 +1,5 @@
 """The installed package never fetches anything through system or Python package managers: that is the job of
-``benchmarks/assets.py`` (``make assets``), so ``mha2mla`` runs the same on macOS, a cluster node or offline.
+``scripts/assets.py`` (``make assets``), so ``mha2mla`` runs the same on macOS, a cluster node or offline.
 
 The check reads the package's source: no ``apt-get``/``dpkg`` anywhere, no import of pip, no ``-m pip`` command
 line, and no process started (``subprocess``, ``os.system``, ``os.exec*``, ...) whose arguments name a package

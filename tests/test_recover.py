@@ -17,7 +17,7 @@ import torch
 from common import SAMPLE_TEXT, build_source, tiny_deepseek_config, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
-from mha2mla.cli.recover import build_config
+from mha2mla.recipes import build_settings
 from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, recover
 from mha2mla.train.data import RowOrder, pack_token_lists, target_mask
 from mha2mla.train.export import write_recovered
@@ -310,7 +310,7 @@ def test_bad_recipe_or_option_is_one_sentence(tiny_model, corpus, tmp_path, monk
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_shipped_recipes_recover_sections_are_valid(path):
-    config = build_config(path, {"model": "out/converted", "out": "out/recovered"})
+    config = build_settings("recover", path, {"model": "out/converted", "out": "out/recovered"})
     assert config.data and config.teacher and config.max_tokens
 
 

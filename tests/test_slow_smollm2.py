@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from assets import default_model_gguf, held_out_token_ids  # benchmarks/assets.py: fetched on first use
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla.convert.options import ConvertOptions
@@ -12,6 +11,7 @@ from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.convert.pipeline import convert
 from mha2mla.evaluation.perplexity import window_perplexity
 from mha2mla.io.source import resolve_source
+from scripts.assets import default_model_gguf, held_out_token_ids  # fetched on first use
 
 pytestmark = pytest.mark.slow
 

@@ -1,42 +1,42 @@
-"""`mha2mla generate MODEL --prompt ...`: decode from the latent cache with absorbed weights."""
+"""`mha2mla generate MODEL --prompt ...`: decode from the latent cache with absorbed weights. The options and their
+help are GenerateConfig's fields (mha2mla/cli/settings.py)."""
 
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from mha2mla import UserError
+from mha2mla.cli.settings import Flags, with_settings
+from mha2mla.generation import GenerateConfig
+
+FLAGS = Flags(
+    settings=("prompt", "max_new_tokens", "temperature", "top_p", "seed", "device", "dtype", "chat", "ignore_eos"),
+    names={"prompt": ("--prompt", "-p"), "max_new_tokens": ("--max-new-tokens", "-n")},
+)
 
 
+@with_settings("generate", GenerateConfig, FLAGS)
 def generate(
+    settings: GenerateConfig,
     model: Annotated[str, typer.Argument(help="A converted DeepSeek-V3 MLA folder (with absorbed.safetensors).")],
-    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for a batch.")],
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (with --temperature > 0).")] = 1.0,
-    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
-    dtype: Annotated[
-        Literal["float32", "bfloat16", "float16"] | None,
-        typer.Option(help="Weights and cache dtype (default: float32 on CPU, bfloat16 on CUDA)."),
-    ] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the tokenizer's chat template.")] = False,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Always generate --max-new-tokens tokens.")] = False,
+    recipe: Annotated[Path | None, typer.Option(help="A recipe YAML whose generate: section gives the settings; "
+                                                     "options here win.")] = None,
 ) -> None:
     """Generate text from a converted model, decoding from the latent cache (streamed for a single prompt)."""
     import torch
 
     from mha2mla.modeling.generate import MLAEngine
 
+    device, dtype = settings.device, settings.dtype
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu.")
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"--dtype {dtype} is not one of float32, bfloat16, float16.")
     engine = MLAEngine.from_pretrained(model, device=device, dtype=dtype)
-    prompts: list = list(prompt)
-    if chat:
+    prompts: list = list(settings.prompt)
+    if settings.chat:
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
             raise UserError("--chat needs a tokenizer with a chat template in the model folder.")
         prompts = [
@@ -52,12 +52,12 @@ def generate(
     single = len(prompts) == 1
     results = engine.generate(
         prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        seed=settings.seed,
         stream=stream if single else None,
-        eos_token_ids=[] if ignore_eos else None,
+        eos_token_ids=[] if settings.ignore_eos else None,
     )
     if single:
         sys.stdout.write("\n")

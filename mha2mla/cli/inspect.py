@@ -6,6 +6,7 @@ import json
 
 import typer
 
+from mha2mla.extras import require_gguf_reader
 from mha2mla.io.source import check_source
 
 
@@ -16,6 +17,7 @@ def inspect_command(
     """Family, heads, head dim, RoPE, KV bytes per token (in the dtype a conversion writes), and which budgets are
     reachable."""
     check_source(model)  # a mistyped path is one sentence before torch loads
+    require_gguf_reader(model)
     from mha2mla.inspect import inspect_model
 
     info = inspect_model(model)

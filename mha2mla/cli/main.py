@@ -10,7 +10,6 @@ import logging
 import sys
 
 import typer
-from typer._click import exceptions as click_errors  # typer's own click (pinned in pyproject.toml)
 
 from mha2mla import UserError, __version__
 
@@ -19,7 +18,6 @@ COMMAND_MODULES = ["convert", "inspect", "eval", "recover", "generate", "export"
 app = typer.Typer(
     name="mha2mla",
     help="Convert MHA/GQA LLMs into native DeepSeek-V3 Multi-head Latent Attention checkpoints.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts are plain text: `name[@split]` and the like are shown as written
@@ -32,14 +30,18 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@app.callback(invoke_without_command=True)
 def _root(
+    context: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Debug logging."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Only warnings and errors."),
 ) -> None:
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(message)s")
+    if context.invoked_subcommand is None:  # `mha2mla` alone: the help, and the status of a usage error
+        typer.echo(context.get_help(), err=True)
+        raise typer.Exit(2)
 
 
 for _name in COMMAND_MODULES:
@@ -86,13 +88,9 @@ def main() -> None:
     _name_values(command)
     try:
         code = command.main(prog_name="mha2mla", standalone_mode=False)
-    except click_errors.NoArgsIsHelpError as error:
-        error.show()
-        code = 2
-    except click_errors.UsageError as error:
-        _fail(_usage_sentence(error), 2)
-    except click_errors.ClickException as error:
-        _fail(" ".join(error.format_message().split()), error.exit_code)
+    except typer.TyperException as error:  # the public base of the parse errors of typer's click
+        usage = error.exit_code == 2  # click's UsageError and its subclasses: a command line that does not parse
+        _fail(_usage_sentence(error) if usage else " ".join(error.format_message().split()), error.exit_code)
     except UserError as error:
         _fail(str(error), 2)
     except (typer.Abort, KeyboardInterrupt):

@@ -1,50 +1,74 @@
-"""Conversion options: one pydantic model shared by the Python API, the CLI and recipe files."""
+"""``ConvertOptions``: everything a user decides about a conversion, the only home of the defaults. The Python API
+builds it directly; ``mha2mla convert`` builds it from a recipe's ``convert:`` section and the flags given
+(``mha2mla.recipes``), its options and help generated from these fields."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from mha2mla import UserError
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CALIB_NONE = ("none", "")
+KV_BUDGET = 0.25  # the budget when neither kv_budget nor kv_lora_rank with rope_dim is given (docs/benchmarks.md)
+CALIB_SAMPLES = 256  # calibration windows below WIDE_HIDDEN_SIZE
+CALIB_SAMPLES_WIDE = 128  # past it, so that one layer's working set at 70B widths stays within a 24 GiB host
+WIDE_HIDDEN_SIZE = 4096
+CALIBRATION_KEYS = ("calib_samples", "calib_seq_len", "calib_device", "max_memory")
 
 
 class ConvertOptions(BaseModel):
-    """Everything a user decides about a conversion. Unknown keys are rejected (typos in recipes fail
-    loudly). The methods are not options: the plan picks the measured best (docs/benchmarks.md) with
-    calibration, or the weight-only path with ``calib=None`` (``--calib none``)."""
+    """Unknown keys are rejected (typos in recipes fail loudly). The methods are not options: the plan picks the
+    measured best with calibration, or the weight-only path with ``calib=None`` (``--calib none``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    profile: Literal["portable", "exact"] = "portable"
+    # a size given on the command line replaces the recipe's other way of giving it (mha2mla.recipes.merge)
+    REPLACED_BY: ClassVar[dict[str, tuple[str, ...]]] = {
+        "kv_budget": ("kv_lora_rank", "rope_dim"), "kv_lora_rank": ("kv_budget",), "rope_dim": ("kv_budget",)}
+
+    profile: Literal["portable", "exact"] = Field(
+        "portable", description="portable: what serving engines build (no attention biases, silu, interleaved plain "
+        "rope; the target picks the shapes); exact: transformers only, exact at full capacity")
     target: Literal["transformers", "vllm", "sglang", "llama.cpp"] = Field(
         "transformers", description="the engine whose loader and fast kernels the shapes must suit (docs/engines.md)")
-    kv_budget: float | None = Field(None, description="fraction of the source's KV values per token per layer")
-    kv_lora_rank: int | None = Field(None, description="the config's kv_lora_rank (extra latent channels included)")
-    rope_dim: int | None = Field(None, description="qk_rope_head_dim, the shared rope key's size")
-    rope_stride: int | None = Field(None, description="keep every s-th source rope pair from the fastest (default: the "
-                                    "plan's measured choice, docs/calibration.md \"rope pairs\")")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    calib: str | None = Field("default", description="calibration text: `default` (bundled sample), a file, folder or "
-                              "dataset id; None or `none` for the fast weight-only path (poor without recovery)")
-    calib_samples: int | None = Field(None, description="calibration windows (default: 256; 128 past hidden size "
-                                     "4096, so that one layer's working set at 70B widths stays under 24 GiB)")
-    calib_seq_len: int = 256
-    calib_device: str | None = Field(None, description="device for calibration forwards (default: cuda if available)")
+    kv_budget: float | None = Field(None, description=f"fraction of the source's KV values per token per layer to "
+                                    f"keep ({KV_BUDGET} unless kv_lora_rank and rope_dim are given)")
+    kv_lora_rank: int | None = Field(None, description="the config's kv_lora_rank (what the cache stores, extra "
+                                     "latent channels included), with rope_dim instead of kv_budget")
+    rope_dim: int | None = Field(None, description="qk_rope_head_dim: size of the shared rope key (with kv_lora_rank)")
+    rope_stride: int | None = Field(None, description="keep every s-th source rope pair from the fastest (the plan's "
+                                    "choice when not given, docs/calibration.md \"rope pairs\")")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="output dtype (auto: the source's)")
+    calib: str | None = Field("default", description="calibration text: `default` (the bundled sample), a "
+                              ".txt/.jsonl/.parquet file, a folder or a dataset id; `none` for the fast weight-only "
+                              "path (poor quality without `mha2mla recover`)")
+    calib_samples: int | None = Field(None, description=f"calibration windows ({CALIB_SAMPLES}, {CALIB_SAMPLES_WIDE} "
+                                      f"past hidden size {WIDE_HIDDEN_SIZE}, when not given; fewer is faster and worse)")
+    calib_seq_len: int = Field(256, description="tokens per calibration window")
+    calib_device: str | None = Field(None, description="device for calibration (cpu, cuda, cuda:1; cuda when "
+                                     "available if not given)")
     reconstruct: bool = Field(True, description="fit each calibrated layer to the source layer by gradient descent "
-                              "(docs/calibration.md, reconstruction); False is faster and worse")
+                              "(docs/calibration.md); off is faster and worse")
     max_memory: float | None = Field(None, description="GiB one calibrated layer may use on the host; past it the "
-                                     "calibration activations go to disk (default: the memory available at the start)")
-    max_shard_size: int = 2 * 1024**3
-    untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (default: yes for portable)")
+                                     "calibration activations go to disk (the memory available at the start if not given)")
+    max_shard_size: int = Field(2 * 1024**3, description="largest safetensors shard written, in bytes")
+    untie_embeddings: bool | None = Field(None, description="write lm_head explicitly (yes for portable if not given)")
 
     @property
     def calibrated(self) -> bool:
         return self.calib is not None
+
+    @property
+    def budget(self) -> float:
+        """The fraction the plan sizes the cache by: ``kv_budget``, or KV_BUDGET when it is not given."""
+        return self.kv_budget if self.kv_budget is not None else KV_BUDGET
+
+    def calib_samples_for(self, hidden_size: int) -> int:
+        """Calibration windows for a source of ``hidden_size``: ``calib_samples``, or the default for that width."""
+        if self.calib_samples is not None:
+            return self.calib_samples
+        return CALIB_SAMPLES if hidden_size <= WIDE_HIDDEN_SIZE else CALIB_SAMPLES_WIDE
 
     @field_validator("calib")
     @classmethod
@@ -74,49 +98,16 @@ class ConvertOptions(BaseModel):
             raise ValueError("kv_lora_rank (--kv-lora-rank) and rope_dim (--rope-dim) go together; give both, or kv_budget")
         return self
 
-
-class Recipe(BaseModel):
-    """A recipe file: the exact command in a comment at the top, then these keys."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    source: str | None = None
-    convert: ConvertOptions = ConvertOptions()
-    recover: dict | None = None
-    eval: dict | None = None
-
-
-def _explain(error: ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    return f"{where}: {message}" if where else message
-
-
-def load_recipe(path: str | Path) -> Recipe:
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"recipe {path} does not exist.")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-        return Recipe.model_validate(data)
-    except yaml.YAMLError as error:
-        raise UserError(f"recipe {path} is not valid YAML ({error}).") from error
-    except ValidationError as error:
-        raise UserError(f"recipe {path} is invalid ({_explain(error)}); fix or remove that key.") from error
-
-
-def build_options(recipe: Recipe | None = None, **overrides) -> ConvertOptions:
-    """Recipe values, then every override that is not None."""
-    data = recipe.convert.model_dump(exclude_unset=True) if recipe else {}
-    given = {key: value for key, value in overrides.items() if value is not None}
-    if given.keys() & {"kv_lora_rank", "rope_dim"}:  # sizes given on the command line replace the recipe's
-        data.pop("kv_budget", None)
-    if "kv_budget" in given:
-        data.pop("kv_lora_rank", None)
-        data.pop("rope_dim", None)
-    data.update(given)
-    try:
-        return ConvertOptions.model_validate(data)
-    except ValidationError as error:
-        raise UserError(f"invalid option ({_explain(error)}).") from error
+    @model_validator(mode="after")
+    def _weight_only_calibrates_nothing(self):
+        if self.calib is not None:
+            return self
+        given = [key for key in CALIBRATION_KEYS  # set to something else than the default, which nothing reads here
+                 if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default]
+        if self.reconstruct and "reconstruct" in self.model_fields_set:
+            given.append("reconstruct")
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ValueError(f"calib none (--calib none, the weight-only path) calibrates nothing, so {given[0]} "
+                             f"({flag}) contradicts it; drop one of them")
+        return self

@@ -1,42 +1,32 @@
 """Evaluation: lm-evaluation-harness tasks (hub and bundled offline ones), token perplexity of text files,
 measured KV-cache size, reports.
 
-Library first: ``evaluate_model(model, tokenizer, tasks)`` works on any causal LM in memory, ``run_eval`` is
-what ``mha2mla eval`` calls.
+Library first: ``evaluate_model(model, tokenizer, tasks)`` works on any causal LM in memory, ``run_eval(EvalConfig(...))``
+is what ``mha2mla eval`` calls. Everything but ``EvalConfig`` loads on first use, so reading the settings (a recipe,
+``mha2mla eval --help``) needs neither torch nor the eval extra (lm-eval).
 """
 
-from mha2mla.evaluation.compare import evaluate_loaded, measure, run_eval
-from mha2mla.evaluation.harness import evaluate_model
-from mha2mla.evaluation.loading import LoadedModel, load_model
-from mha2mla.evaluation.measure import forward_throughput, kv_cache_size, parameter_counts
-from mha2mla.evaluation.perplexity import batch_nll, held_out_perplexity, text_perplexity, window_perplexity
-from mha2mla.evaluation.tasks import (
-    BUNDLED_TASKS,
-    available_bundled_tasks,
-    bundled_task_dir,
-    check_tasks,
-    is_offline,
-    task_manager,
-)
+from __future__ import annotations
 
-__all__ = [
-    "BUNDLED_TASKS",
-    "LoadedModel",
-    "available_bundled_tasks",
-    "batch_nll",
-    "bundled_task_dir",
-    "check_tasks",
-    "evaluate_loaded",
-    "evaluate_model",
-    "forward_throughput",
-    "held_out_perplexity",
-    "is_offline",
-    "kv_cache_size",
-    "load_model",
-    "measure",
-    "parameter_counts",
-    "run_eval",
-    "task_manager",
-    "text_perplexity",
-    "window_perplexity",
-]
+import importlib
+
+from mha2mla.evaluation.config import EvalConfig
+
+_LAZY = {
+    "evaluate_loaded": "compare", "run_eval": "compare",
+    "evaluate_model": "harness",
+    "LoadedModel": "loading", "load_model": "loading",
+    "forward_throughput": "measure", "kv_cache_size": "measure", "parameter_counts": "measure",
+    "batch_nll": "perplexity", "held_out_perplexity": "perplexity", "text_perplexity": "perplexity",
+    "window_perplexity": "perplexity",
+    "BUNDLED_TASKS": "tasks", "available_bundled_tasks": "tasks", "bundled_task_dir": "tasks", "check_tasks": "tasks",
+    "is_offline": "tasks", "task_manager": "tasks",
+}
+
+__all__ = ["EvalConfig", *sorted(_LAZY)]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"mha2mla.evaluation.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

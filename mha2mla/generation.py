@@ -1,0 +1,31 @@
+"""``GenerateConfig``: the settings of one ``mha2mla generate`` run, the only home of their defaults (the CLI's
+options and help come from these fields; a recipe's ``generate:`` section holds the same keys)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class GenerateConfig(BaseModel):
+    """What to generate from a converted model and how to sample it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: list[str] = Field(min_length=1, description="prompt text; repeat for a batch")
+    max_new_tokens: int = Field(64, ge=1, description="tokens to generate per prompt")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (with a temperature above 0)")
+    seed: int | None = Field(None, description="seed for sampling")
+    device: str = Field("cpu", description="device: cpu or cuda[:N]")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="weights and cache dtype (float32 on CPU, bfloat16 on CUDA when not given)")
+    chat: bool = Field(False, description="wrap each prompt in the tokenizer's chat template")
+    ignore_eos: bool = Field(False, description="always generate max_new_tokens tokens")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value):
+        """One prompt given as a plain string (``prompt: hello`` in a recipe) is a batch of one."""
+        return [value] if isinstance(value, str) else value
