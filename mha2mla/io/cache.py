@@ -1,10 +1,10 @@
 """The local cache folder and the layout of what ``make assets`` puts there.
 
 One location for the CLI, the library, ``make`` and the recipes: ``$MHA2MLA_CACHE`` when set; else, when mha2mla runs
-from a source checkout (the folder holding ``benchmarks/assets.py``, which fills the cache), that checkout's git-ignored
+from a source checkout (the folder holding ``scripts/assets.py``, which fills the cache), that checkout's git-ignored
 ``.cache/`` -- the path the recipes and docs name as ``.cache/...``; else (an installed wheel) ``~/.cache/mha2mla``.
 The library only reads from it and writes its own derived files (dequantised GGUF folders, eval task files); fetching
-the default model and the held-out texts is the job of ``benchmarks/assets.py`` (``make assets``), which writes them to
+the default model and the held-out texts is the job of ``scripts/assets.py`` (``make assets``), which writes them to
 the paths below (see docs/eval.md).
 """
 
@@ -19,13 +19,13 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub model that GGUF was made from (model cards)
 # held-out text name -> what it is (its file is text/<name>.txt in the cache)
 HELD_OUT_TEXTS = {"kjv": "the King James Bible", "python_docs": "the Python 3.11 documentation"}
-FETCH_HINT = "run `make assets` (or `python benchmarks/assets.py`) in the mha2mla checkout to fetch it"
+FETCH_HINT = "run `make assets` (or `python scripts/assets.py`) in the mha2mla checkout to fetch it"
 
 
 def _checkout_cache() -> Path | None:
     """``<checkout>/.cache`` when this package runs from a source checkout (editable install or PYTHONPATH)."""
     root = Path(__file__).resolve().parents[2]
-    return root / ".cache" if (root / "benchmarks" / "assets.py").is_file() else None
+    return root / ".cache" if (root / "scripts" / "assets.py").is_file() else None
 
 
 def cache_dir() -> Path:

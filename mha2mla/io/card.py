@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import yaml
-from gguf import GGUFReader
 from huggingface_hub import try_to_load_from_cache
 
 from mha2mla.io.cache import DEFAULT_MODEL_FILE, DEFAULT_MODEL_REPO
@@ -35,6 +34,8 @@ def _front_matter(card: Path | None) -> dict:
 
 
 def _gguf_metadata(path: Path) -> dict:
+    from gguf import GGUFReader  # the gguf extra: only a GGUF source has this metadata
+
     try:
         fields = GGUFReader(str(path)).fields
     except (OSError, ValueError):  # not readable as GGUF here: the card just lacks the metadata

@@ -112,6 +112,8 @@ def _check_inputs(out: Path, target: Path, inputs: Iterable[tuple[str, str | Pat
             raise UserError(f"{name} {out} is {label} itself; choose another {name}: mha2mla never writes over its input.")
         if target in path.parents:
             raise UserError(f"{name} {out} holds {label} ({given}); choose an {name} outside it.")
+        if path.is_dir() and path in target.parents:
+            raise UserError(f"{name} {out} lies inside {label} ({given}); choose an {name} outside it.")
 
 
 def check_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]] = (), *, name: str = "OUT") -> None:

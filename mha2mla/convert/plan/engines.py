@@ -89,7 +89,7 @@ class EngineShape:
     note: str | None  # how a budget was snapped, for the plan's warnings
 
 
-def engine_shape(rules: Engine, head_dim: int, source_values: int, largest_rank: int, *, budget: float | None,
+def engine_shape(rules: Engine, head_dim: int, source_values: int, largest_rank: int, *, budget: float,
                  kv_lora_rank: int | None, rope_dim: int | None, default_rope_dim: int,
                  rotating_dims: int | None = None) -> EngineShape:
     """The target's shape for this source: explicit ranks checked against the engine's rules, or the
@@ -111,7 +111,7 @@ def engine_shape(rules: Engine, head_dim: int, source_values: int, largest_rank:
             raise UserError(f"{rules.label} does not accept kv_lora_rank {kv_lora_rank} beside rope {rope}: "
                             f"it takes {_rule_text(rules, rope)} ({rules.checked}).")
         return EngineShape(kv_lora_rank, rope, v_head_dim, None)
-    requested = round((budget if budget is not None else 0.25) * source_values)
+    requested = round(budget * source_values)
     fitting = [r for r in ranks if r + rope <= requested]
     if not fitting:
         if not ranks:

@@ -19,17 +19,6 @@ from mha2mla.families import Family
 
 log = logging.getLogger(__name__)
 
-# calibration windows by default (the choice: docs/benchmarks.md, "reconstruction"); wider models keep fewer, so
-# that one layer's working set at 70B widths fits a 24 GiB machine (docs/calibration.md, "memory")
-CALIB_SAMPLES = 256
-CALIB_SAMPLES_WIDE = 128
-WIDE_HIDDEN_SIZE = 4096
-
-
-def default_calib_samples(hidden_size: int) -> int:
-    return CALIB_SAMPLES if hidden_size <= WIDE_HIDDEN_SIZE else CALIB_SAMPLES_WIDE
-
-
 def default_rope_dim(total_values: int, rotating_dims: int) -> int:
     """About a quarter of the cache for the rope key, in steps of 8, at most the dims that rotate."""
     return max(2, min(rotating_dims, 8 * round(total_values / 32)))
@@ -142,9 +131,9 @@ def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int, rul
     target engine accepts."""
     warnings = []
     if rules.rope_dims or rules.cache_widths or rules.rank_multiple or rules.head_shapes:
-        total = round((options.kv_budget if options.kv_budget is not None else 0.25) * shape.kv_values_per_token_per_layer)
+        total = round(options.budget * shape.kv_values_per_token_per_layer)
         chosen = engine_shape(rules, shape.head_dim, shape.kv_values_per_token_per_layer,
-                              shape.max_latent_rank + extra_channels, budget=options.kv_budget,
+                              shape.max_latent_rank + extra_channels, budget=options.budget,
                               kv_lora_rank=options.kv_lora_rank, rope_dim=options.rope_dim,
                               default_rope_dim=default_rope_dim(total, shape.rotating_dims), rotating_dims=shape.rotating_dims)
         if chosen.note:
@@ -155,8 +144,7 @@ def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int, rul
     if options.kv_lora_rank is not None:
         kv_lora_rank, rope_dim = options.kv_lora_rank, options.rope_dim
     else:
-        budget = options.kv_budget if options.kv_budget is not None else 0.25
-        total = round(budget * shape.kv_values_per_token_per_layer)
+        total = round(options.budget * shape.kv_values_per_token_per_layer)
         rope_dim = default_rope_dim(total, shape.rotating_dims)
         kv_lora_rank = total - rope_dim
     validate_rope_dim(shape.rotating_dims, rope_dim)
@@ -228,7 +216,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
     stride = options.rope_stride or default_rope_stride(shape.rotating_dims, rope_dim)
     calibration = None
     if methods.needs_statistics and not external_statistics:
-        samples = options.calib_samples or default_calib_samples(shape.hidden_size)
+        samples = options.calib_samples_for(shape.hidden_size)
         calibration = CalibrationSettings(options.calib, samples, options.calib_seq_len, options.calib_device,
                                           options.max_memory)
     return ConversionPlan(
