@@ -50,7 +50,7 @@ LLAMA_CPP_PYTHON ?= 0.3.36
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF
 test-engines: assets
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
-	$(PY) -m pytest -q -m slow tests/test_engines_llamacpp.py
+	$(PY) -m pytest -q -m slow tests/engines/test_engines_llamacpp.py
 
 bench: assets
 	$(PY) benchmarks/quality.py

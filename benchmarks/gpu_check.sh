@@ -3,7 +3,7 @@
 # One prepared GPU check for the MLA kernels (docs/design.md), FSDP recovery and calibration on the GPU, < 10 minutes on one H200:
 #   1. the kernel tests natively on CUDA (gpu-marked tests and bf16 included),
 #   2. benchmarks/kernels_bench.py: prefill fwd/bwd TFLOP/s vs torch SDPA, decode GB/s vs HBM (JSON),
-#   3. `recover` under FSDP2 on CUDA (tests/test_recover_fsdp.py, gpu-marked: NCCL, one process per GPU, at most
+#   3. `recover` under FSDP2 on CUDA (tests/train/test_recover_fsdp.py, gpu-marked: NCCL, one process per GPU, at most
 #      two; the loss curve against one process, the checkpoint folder, SIGKILL + --resume auto; docs/recover.md).
 #   4. calibrated conversion with --calib-device cuda at Llama-3-70B layer widths (benchmarks/scale.py, 2 layers,
 #      the default 128 calibration sequences): seconds per layer, host peak RSS and the GPU's peak (peak_gpu_gib).
@@ -31,13 +31,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT_DIR/gpu.txt"
 
 # -m overrides pyproject's "not slow and not gpu" so the gpu tests run too.
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_kernels.py 2>&1 | tee "$OUT_DIR/kernel_tests.txt"
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/kernels/test_kernels.py 2>&1 | tee "$OUT_DIR/kernel_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 timeout 130 "$PY" benchmarks/kernels_bench.py --json "$OUT_DIR/kernels_bench.json" 2>&1 | tee "$OUT_DIR/kernels_bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m "gpu" tests/test_recover_fsdp.py 2>&1 | tee "$OUT_DIR/fsdp_tests.txt"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m "gpu" tests/train/test_recover_fsdp.py 2>&1 | tee "$OUT_DIR/fsdp_tests.txt"
 fsdp_rc=${PIPESTATUS[0]}
 
 timeout 100 "$PY" benchmarks/scale.py --shapes llama3-70b --modes calibrated --layers 2 --calib-samples 128 \

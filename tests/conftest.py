@@ -15,9 +15,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json
+
 import torch
 
 torch.manual_seed(0)
+
+from common import build_source, tiny_deepseek_config, tiny_tokenizer  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture(scope="session")
+def llama_source(tmp_path_factory):
+    """A tiny random Llama source with GQA (4 query heads, 2 KV heads) and a tiny tokenizer. Shared: never modify it
+    (a test that needs to change it copies it)."""
+    return build_source(tmp_path_factory.mktemp("llama_source") / "llama", "llama", num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(tmp_path_factory):
+    """A converted-looking tiny DeepSeek-V3 MLA folder (random weights, tiny tokenizer, conversion report, card), the
+    input recover and its checks start from. Shared: never modify it."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny_mla")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_deepseek_config()).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (folder / "conversion_report.json").write_text(json.dumps({"kv_lora_rank": 24}) + "\n")
+    (folder / "README.md").write_text("# tiny converted model\n")
+    return folder
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,7 @@ The model computes DeepSeek-V3 itself from the checkpoint's tensors (read lazily
   that attention (the Triton split-KV kernel or PyTorch) is decided once by
   :func:`mha2mla.kernels.backend.decode_attention_backend`.
 
-Logits equal transformers' ``DeepseekV3ForCausalLM`` on the same checkpoint (tests/test_generate.py). The
+Logits equal transformers' ``DeepseekV3ForCausalLM`` on the same checkpoint (tests/modeling/test_generate.py). The
 generation loop, sampling and detokenisation live in :mod:`mha2mla.modeling.generate`.
 
     model = MLAModel.from_pretrained("out/smollm2-mla", device="cpu")

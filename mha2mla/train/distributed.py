@@ -10,7 +10,7 @@ checkpoint folder is the same whoever wrote it, and ``load_optimizer_state`` sha
 
 On CPU processes (``torchrun`` with ``ACCELERATE_USE_CPU=1``) accelerate never selects FSDP: ``AcceleratorState``
 switches to FSDP only from an accelerator device's multi-process type, not from ``MULTI_CPU``. torch's ``fully_shard``
-does run on CPU with the gloo backend (torch 2.13; tests/test_recover_fsdp.py), so when FSDP is asked for there
+does run on CPU with the gloo backend (torch 2.13; tests/train/test_recover_fsdp.py), so when FSDP is asked for there
 (``ACCELERATE_USE_FSDP=true``, as ``accelerate launch`` sets from an FSDP config) ``use_fsdp_on_cpu`` sets the
 state to FSDP with the plugin read from the same ``FSDP_*`` variables; everything after that (``prepare``, clipping,
 ``no_sync``) is accelerate's own FSDP2 code. This is how the FSDP path is tested on a machine without GPUs."""

@@ -36,7 +36,7 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {
     "transformers": Engine(
-        "transformers", ">= 5", "run: every test output loads with AutoModelForCausalLM (tests/test_convert.py)",
+        "transformers", ">= 5", "run: every test output loads with AutoModelForCausalLM (tests/convert/test_convert.py)",
         profiles=("portable", "exact")),
     "vllm": Engine(
         "vLLM", "0.33.0",

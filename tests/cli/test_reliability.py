@@ -19,29 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from common import SAMPLE_TEXT, build_source, run_cli, tiny_deepseek_config, tiny_tokenizer
+from common import SAMPLE_TEXT, build_source, run_cli, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
 from mha2mla import UserError
 from mha2mla.io.output import staged_output, staging_path
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A tiny Llama source (never modified: cases that need it in their own folder copy it)."""
-    return build_source(tmp_path_factory.mktemp("model") / "llama", "llama", num_heads=4, num_kv_heads=2)
-
-
-@pytest.fixture(scope="module")
-def mla_model(tmp_path_factory) -> Path:
-    """A converted-looking tiny DeepSeek-V3 MLA folder, for recover."""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("mla") / "mla"
-    AutoModelForCausalLM.from_config(tiny_deepseek_config()).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    (folder / "conversion_report.json").write_text("{}\n")
-    return folder
 
 
 @pytest.fixture
@@ -74,8 +56,8 @@ def snapshot(root: Path) -> dict:
     return entries
 
 
-def _copy(model: Path, where: Path) -> Path:
-    shutil.copytree(model, where)
+def _copy(llama_source: Path, where: Path) -> Path:
+    shutil.copytree(llama_source, where)
     return where
 
 
@@ -96,105 +78,105 @@ def _read_only_folder(path: Path) -> Path:
 
 
 # Each case: (tmp, model) -> (arguments, folder to run in or None, words the one sentence must hold).
-def out_is_the_source(tmp, model):
-    src = _copy(model, tmp / "model")
+def out_is_the_source(tmp, llama_source):
+    src = _copy(llama_source, tmp / "model")
     (src / "notes.txt").write_text("my notes\n")
     return ["convert", src, src, "--force"], None, "is the source model itself"
 
 
-def out_is_the_current_folder(tmp, model):
+def out_is_the_current_folder(tmp, llama_source):
     work = tmp / "work"
     work.mkdir()
     (work / "thesis.tex").write_text("years of work\n")
-    return ["convert", model, ".", "--force"], work, "current folder"
+    return ["convert", llama_source, ".", "--force"], work, "current folder"
 
 
-def out_is_the_empty_current_folder(tmp, model):
+def out_is_the_empty_current_folder(tmp, llama_source):
     (tmp / "work").mkdir()
-    return ["convert", model, "."], tmp / "work", "current folder"
+    return ["convert", llama_source, "."], tmp / "work", "current folder"
 
 
-def out_is_a_parent_of_the_current_folder(tmp, model):
+def out_is_a_parent_of_the_current_folder(tmp, llama_source):
     (tmp / "a" / "b").mkdir(parents=True)
-    return ["convert", model, "..", "--force"], tmp / "a" / "b", "current folder"
+    return ["convert", llama_source, "..", "--force"], tmp / "a" / "b", "current folder"
 
 
-def out_holds_the_source(tmp, model):
-    src = _copy(model, tmp / "models" / "llama")
+def out_holds_the_source(tmp, llama_source):
+    src = _copy(llama_source, tmp / "models" / "llama")
     return ["convert", src, tmp / "models", "--force"], None, "holds the source model"
 
 
-def force_on_a_folder_mha2mla_did_not_write(tmp, model):
+def force_on_a_folder_mha2mla_did_not_write(tmp, llama_source):
     (tmp / "out").mkdir()
     (tmp / "out" / "keep.txt").write_text("mine\n")
-    return ["convert", model, tmp / "out", "--force"], None, "not written by mha2mla"
+    return ["convert", llama_source, tmp / "out", "--force"], None, "not written by mha2mla"
 
 
-def non_empty_out_without_force(tmp, model):
+def non_empty_out_without_force(tmp, llama_source):
     (tmp / "out").mkdir()
     (tmp / "out" / "keep.txt").write_text("mine\n")
-    return ["convert", model, tmp / "out"], None, "not written by mha2mla"
+    return ["convert", llama_source, tmp / "out"], None, "not written by mha2mla"
 
 
-def out_is_a_file(tmp, model):
+def out_is_a_file(tmp, llama_source):
     (tmp / "out").write_text("a file\n")
-    return ["convert", model, tmp / "out", "--force"], None, "is a file"
+    return ["convert", llama_source, tmp / "out", "--force"], None, "is a file"
 
 
-def out_under_a_file(tmp, model):
+def out_under_a_file(tmp, llama_source):
     (tmp / "file").write_text("a file\n")
-    return ["convert", model, tmp / "file" / "out"], None, "is a file, so"
+    return ["convert", llama_source, tmp / "file" / "out"], None, "is a file, so"
 
 
-def out_is_a_symlink(tmp, model):
+def out_is_a_symlink(tmp, llama_source):
     (tmp / "real").mkdir()
     (tmp / "out").symlink_to(tmp / "real")
-    return ["convert", model, tmp / "out", "--force"], None, "symbolic link"
+    return ["convert", llama_source, tmp / "out", "--force"], None, "symbolic link"
 
 
-def out_in_a_read_only_folder(tmp, model):
-    return ["convert", model, _read_only_folder(tmp / "locked") / "out"], None, "cannot write into"
+def out_in_a_read_only_folder(tmp, llama_source):
+    return ["convert", llama_source, _read_only_folder(tmp / "locked") / "out"], None, "cannot write into"
 
 
-def out_is_an_empty_read_only_folder(tmp, model):
-    return ["convert", model, _read_only_folder(tmp / "out")], None, "read-only"
+def out_is_an_empty_read_only_folder(tmp, llama_source):
+    return ["convert", llama_source, _read_only_folder(tmp / "out")], None, "read-only"
 
 
-def missing_source(tmp, model):
+def missing_source(tmp, llama_source):
     return ["convert", tmp / "nosuch", tmp / "out"], None, "does not exist"
 
 
-def source_is_a_plain_file(tmp, model):
+def source_is_a_plain_file(tmp, llama_source):
     (tmp / "notes.txt").write_text("not a model\n")
     return ["convert", tmp / "notes.txt", tmp / "out"], None, "not a .gguf"
 
 
-def config_lacks_keys(tmp, model):
-    src = _copy(model, tmp / "model")
+def config_lacks_keys(tmp, llama_source):
+    src = _copy(llama_source, tmp / "model")
     _edit_config(src, num_attention_heads=None)
     return ["convert", src, tmp / "out"], None, "num_attention_heads"
 
 
-def inspect_config_lacks_keys(tmp, model):
-    src = _copy(model, tmp / "model")
+def inspect_config_lacks_keys(tmp, llama_source):
+    src = _copy(llama_source, tmp / "model")
     _edit_config(src, num_attention_heads=None)
     return ["inspect", src], None, "num_attention_heads"
 
 
-def inspect_without_config(tmp, model):
-    src = _copy(model, tmp / "model")
+def inspect_without_config(tmp, llama_source):
+    src = _copy(llama_source, tmp / "model")
     (src / "config.json").unlink()
     return ["inspect", src], None, "has no config.json"
 
 
-def inspect_invalid_json(tmp, model):
-    src = _copy(model, tmp / "model")
+def inspect_invalid_json(tmp, llama_source):
+    src = _copy(llama_source, tmp / "model")
     (src / "config.json").write_text('{"model_type": "llama",')
     return ["inspect", src], None, "not valid JSON"
 
 
-def shard_outside_the_source(tmp, model):
-    src = _copy(model, tmp / "model")
+def shard_outside_the_source(tmp, llama_source):
+    src = _copy(llama_source, tmp / "model")
     (tmp / "other").mkdir()
     (src / "model.safetensors").rename(tmp / "other" / "model.safetensors")
     names = load_file(str(tmp / "other" / "model.safetensors")).keys()
@@ -203,43 +185,43 @@ def shard_outside_the_source(tmp, model):
     return ["convert", src, tmp / "out", "--calib", "none"], None, "outside"
 
 
-def down_proj_of_the_wrong_shape(tmp, model):
-    src = _copy(model, tmp / "model")
+def down_proj_of_the_wrong_shape(tmp, llama_source):
+    src = _copy(llama_source, tmp / "model")
     tensors = load_file(str(src / "model.safetensors"))
     tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :-8].clone()
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     return ["convert", src, tmp / "out", "--calib", "none", "--no-progress"], None, "down_proj"
 
 
-def kv_lora_rank_above_the_source(tmp, model):
-    return ["convert", model, tmp / "out", "--kv-lora-rank", "100000000", "--rope-dim", "8"], None, "--kv-lora-rank"
+def kv_lora_rank_above_the_source(tmp, llama_source):
+    return ["convert", llama_source, tmp / "out", "--kv-lora-rank", "100000000", "--rope-dim", "8"], None, "--kv-lora-rank"
 
 
-def budget_with_explicit_ranks(tmp, model):
-    return ["convert", model, tmp / "out", "--kv-budget", "0.25", "--kv-lora-rank", "8", "--rope-dim", "8"], None, "not both"
+def budget_with_explicit_ranks(tmp, llama_source):
+    return ["convert", llama_source, tmp / "out", "--kv-budget", "0.25", "--kv-lora-rank", "8", "--rope-dim", "8"], None, "not both"
 
 
-def unknown_profile(tmp, model):
-    return ["convert", model, tmp / "out", "--profile", "fast"], None, "profile"
+def unknown_profile(tmp, llama_source):
+    return ["convert", llama_source, tmp / "out", "--profile", "fast"], None, "profile"
 
 
-def budget_not_a_number(tmp, model):
-    return ["convert", model, tmp / "out", "--kv-budget", "abc"], None, "--kv-budget"
+def budget_not_a_number(tmp, llama_source):
+    return ["convert", llama_source, tmp / "out", "--kv-budget", "abc"], None, "--kv-budget"
 
 
-def calib_invalid_json(tmp, model):
+def calib_invalid_json(tmp, llama_source):
     (tmp / "calib.json").write_text('{"text": "unterminated')
-    return ["convert", model, tmp / "out", "--calib", tmp / "calib.json"], None, "not valid JSON"
+    return ["convert", llama_source, tmp / "out", "--calib", tmp / "calib.json"], None, "not valid JSON"
 
 
-def calib_json_lines_of_lists(tmp, model):
+def calib_json_lines_of_lists(tmp, llama_source):
     (tmp / "calib.jsonl").write_text('["a", "b"]\n["c"]\n')
-    return ["convert", model, tmp / "out", "--calib", tmp / "calib.jsonl"], None, "calib.jsonl:1"
+    return ["convert", llama_source, tmp / "out", "--calib", tmp / "calib.jsonl"], None, "calib.jsonl:1"
 
 
-def calib_random_bytes(tmp, model):
+def calib_random_bytes(tmp, llama_source):
     (tmp / "calib.txt").write_bytes(bytes(range(256)) * 64)
-    return ["convert", model, tmp / "out", "--calib", tmp / "calib.txt"], None, "not UTF-8"
+    return ["convert", llama_source, tmp / "out", "--calib", tmp / "calib.txt"], None, "not UTF-8"
 
 
 def recover_out_is_the_model(tmp, mla):
@@ -267,8 +249,8 @@ RECOVER_CASES = [recover_out_is_the_model, recover_out_is_the_current_folder]
 
 # export-gguf: (tmp, converted model) -> (arguments, folder to run in or None, words the one sentence must hold).
 def export_over_the_models_own_weights(tmp, converted):
-    model = _copy(converted, tmp / "model")
-    return ["export-gguf", model, model / "model.safetensors", "--force"], None, "inside the model being exported"
+    llama_source = _copy(converted, tmp / "model")
+    return ["export-gguf", llama_source, llama_source / "model.safetensors", "--force"], None, "inside the model being exported"
 
 
 def export_over_a_users_file(tmp, converted):
@@ -308,17 +290,17 @@ def _refused(args, cwd, needle, root: Path, capsys, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.__name__)
-def test_refused_with_one_sentence_and_nothing_changed(case, model, tmp_path, capsys, monkeypatch, stderr_logging):
-    args, cwd, needle = case(tmp_path, model)
+def test_refused_with_one_sentence_and_nothing_changed(case, llama_source, tmp_path, capsys, monkeypatch, stderr_logging):
+    args, cwd, needle = case(tmp_path, llama_source)
     _refused(args, cwd, needle, tmp_path, capsys, monkeypatch)
 
 
 @pytest.mark.parametrize("case", RECOVER_CASES, ids=lambda case: case.__name__)
-def test_recover_refused_with_one_sentence(case, mla_model, tmp_path, capsys, monkeypatch, stderr_logging):
-    args, cwd, needle = case(tmp_path, mla_model)
-    before = snapshot(mla_model)
+def test_recover_refused_with_one_sentence(case, tiny_mla, tmp_path, capsys, monkeypatch, stderr_logging):
+    args, cwd, needle = case(tmp_path, tiny_mla)
+    before = snapshot(tiny_mla)
     _refused(args, cwd, needle, tmp_path, capsys, monkeypatch)
-    assert snapshot(mla_model) == before
+    assert snapshot(tiny_mla) == before
 
 
 @pytest.fixture(scope="module")
@@ -354,8 +336,8 @@ def test_export_force_replaces_only_its_own_gguf(converted, tmp_path, capsys):
     assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
 
 
-def _convert(model: Path, out: Path, capsys, *extra) -> str:
-    code, _, err = run_cli(["convert", model, out, "--calib", "none", "--no-progress", *extra], capsys)
+def _convert(llama_source: Path, out: Path, capsys, *extra) -> str:
+    code, _, err = run_cli(["convert", llama_source, out, "--calib", "none", "--no-progress", *extra], capsys)
     assert code == 0, err
     return err
 
@@ -366,11 +348,11 @@ def _dead_pid() -> int:
     return process.pid
 
 
-def test_force_swaps_an_earlier_output_and_leaves_nothing_behind(model, tmp_path, capsys):
+def test_force_swaps_an_earlier_output_and_leaves_nothing_behind(llama_source, tmp_path, capsys):
     out = tmp_path / "out"
-    _convert(model, out, capsys)
+    _convert(llama_source, out, capsys)
     first = (out / "conversion_report.json").read_text()
-    _convert(model, out, capsys, "--force", "--kv-budget", "0.5")
+    _convert(llama_source, out, capsys, "--force", "--kv-budget", "0.5")
     assert (out / "conversion_report.json").read_text() != first
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]  # no staging or moved-aside folder
     assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())  # a folder as the user would make it
@@ -382,7 +364,7 @@ def _umask() -> int:
     return mask
 
 
-def test_a_killed_runs_leftovers_are_cleaned_by_the_next_run(model, tmp_path, capsys):
+def test_a_killed_runs_leftovers_are_cleaned_by_the_next_run(llama_source, tmp_path, capsys):
     out, dead = tmp_path / "out", _dead_pid()
     staged = staging_path(out).name.split(".")  # ['', 'out', 'mha2mla-tmp', PID, HOST, RANDOM]
     stale = tmp_path / ".".join([*staged[:3], str(dead), *staged[4:]])
@@ -393,17 +375,17 @@ def test_a_killed_runs_leftovers_are_cleaned_by_the_next_run(model, tmp_path, ca
     (moved_aside / "conversion_report.json").write_text("{}\n")
     alive = tmp_path / ".".join([*staged[:3], str(os.getpid()), *staged[4:5], "feedbeef"])
     alive.mkdir()
-    _convert(model, out, capsys)
+    _convert(llama_source, out, capsys)
     assert not stale.exists()  # a dead writer's partial output: removed
     assert (tmp_path / "earlier" / "conversion_report.json").exists()  # a replacement that never came: put back
     assert alive.exists()  # a running writer's folder: untouched
 
 
-def test_inspect_counts_kv_bytes_as_the_plan_does(model, capsys):
+def test_inspect_counts_kv_bytes_as_the_plan_does(llama_source, capsys):
     """One definition: values per token x bytes per value of the dtype a conversion writes, named with the figure."""
-    code, stdout, _ = run_cli(["inspect", model, "--json"], capsys)
+    code, stdout, _ = run_cli(["inspect", llama_source, "--json"], capsys)
     info = json.loads(stdout)
-    code_plan, plan, _ = run_cli(["convert", model, "unused", "--dry-run", "--kv-budget", "0.25"], capsys)
+    code_plan, plan, _ = run_cli(["convert", llama_source, "unused", "--dry-run", "--kv-budget", "0.25"], capsys)
     assert code == code_plan == 0
     source_bytes, converted_bytes = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) B", plan.split("KV cache per token")[1])[:2])
     row = next(row for row in info["budgets"] if row["kv_budget"] == 0.25)

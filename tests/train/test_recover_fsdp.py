@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import SAMPLE_TEXT, tiny_deepseek_config, tiny_tokenizer
+from common import SAMPLE_TEXT
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -33,17 +33,6 @@ FSDP_ENV = {
 SETTINGS = ["--max-steps", "40", "--seq-len", "32", "--grad-accum", "2", "--lr", "2e-3", "--warmup-steps", "3",
             "--lora-rank", "4", "--eval-sequences", "5", "--eval-every", "10", "--save-every", "10",
             "--mixed-precision", "no", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A converted-looking tiny DeepSeek-V3 MLA folder (random weights, tiny tokenizer)."""
-    folder = tmp_path_factory.mktemp("tiny_mla")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_deepseek_config()).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    (folder / "conversion_report.json").write_text(json.dumps({"kv_lora_rank": 24}) + "\n")
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -167,21 +156,21 @@ def check_fsdp_run(model: Path, corpus: Path, tmp_path: Path, device: str, curve
     assert AutoModelForCausalLM.from_pretrained(killed).config.model_type == "deepseek_v3"
 
 
-def test_fsdp_on_two_cpu_processes_matches_one_process_and_resumes_after_sigkill(tiny_model, corpus, tmp_path):
-    check_fsdp_run(tiny_model, corpus, tmp_path, "cpu", curve_rtol=1e-5, resume_rtol=1e-6)
+def test_fsdp_on_two_cpu_processes_matches_one_process_and_resumes_after_sigkill(tiny_mla, corpus, tmp_path):
+    check_fsdp_run(tiny_mla, corpus, tmp_path, "cpu", curve_rtol=1e-5, resume_rtol=1e-6)
 
 
 @pytest.mark.gpu
-def test_fsdp_on_gpus_matches_one_process_and_resumes_after_sigkill(tiny_model, corpus, tmp_path):
+def test_fsdp_on_gpus_matches_one_process_and_resumes_after_sigkill(tiny_mla, corpus, tmp_path):
     """The same on CUDA (benchmarks/gpu_check.sh): NCCL, fp32; cuBLAS picks kernels by batch shape, so the curve
     is compared to 1e-4 rather than 1e-5."""
-    check_fsdp_run(tiny_model, corpus, tmp_path, "cuda", curve_rtol=1e-4, resume_rtol=1e-5)
+    check_fsdp_run(tiny_mla, corpus, tmp_path, "cuda", curve_rtol=1e-4, resume_rtol=1e-5)
 
 
-def test_fsdp_version_1_is_refused_in_one_sentence(tiny_model, corpus, tmp_path):
+def test_fsdp_version_1_is_refused_in_one_sentence(tiny_mla, corpus, tmp_path):
     out = tmp_path / "out"
     env = {**_env("cpu", fsdp=True), "FSDP_VERSION": "1"}
-    result = subprocess.run(_fsdp_run(tiny_model, corpus, out, 2), env=env, capture_output=True, text=True,
+    result = subprocess.run(_fsdp_run(tiny_mla, corpus, out, 2), env=env, capture_output=True, text=True,
                             check=False, timeout=600)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

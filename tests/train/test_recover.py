@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import SAMPLE_TEXT, build_source, tiny_deepseek_config, tiny_tokenizer
+from common import SAMPLE_TEXT, build_source
 from transformers import AutoModelForCausalLM
 
 from mha2mla.recipes import build_settings
@@ -27,19 +27,6 @@ from mha2mla.train.recipe import RecoveryRecipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A converted-looking tiny DeepSeek-V3 MLA folder (random weights, tiny tokenizer, conversion report)."""
-    folder = tmp_path_factory.mktemp("tiny_mla")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_deepseek_config())
-    model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    (folder / "conversion_report.json").write_text(json.dumps({"kv_lora_rank": 24}) + "\n")
-    (folder / "README.md").write_text("# tiny converted model\n")
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +69,8 @@ def test_row_order_is_a_seeded_permutation_per_epoch():
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packed_documents_do_not_attend_to_each_other(tiny_model, attn_implementation):
-    model = load_student(tiny_model, attn_implementation).eval()
+def test_packed_documents_do_not_attend_to_each_other(tiny_mla, attn_implementation):
+    model = load_student(tiny_mla, attn_implementation).eval()
     torch.manual_seed(1)
     doc_a, doc_b = torch.randint(0, 256, (1, 7)), torch.randint(0, 256, (1, 9))
     packed = pack_token_lists([doc_a[0].tolist(), doc_b[0].tolist()], seq_len=16)
@@ -106,9 +93,9 @@ def test_distillation_loss_is_zero_only_for_matching_logits():
 # ------------------------------------------------------------------------------------------- training
 
 
-def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_model, corpus, tmp_path):
+def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_mla, corpus, tmp_path):
     out = tmp_path / "recovered"
-    report = recover(_config(tiny_model, corpus, out, save_every=10), show_progress=False)
+    report = recover(_config(tiny_mla, corpus, out, save_every=10), show_progress=False)
     first, last = report["evaluations"][0], report["evaluations"][-1]
     assert (first["step"], last["step"]) == (0, 30)
     assert last["perplexity"] < 0.9 * first["perplexity"]
@@ -131,9 +118,9 @@ def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_model, corpus
     torch.testing.assert_close(absorbed["layers.1.w_uk"], kv_b.view(4, 32, 24)[:, :16])
 
 
-def test_merged_output_has_the_peft_models_logits(tiny_model, tmp_path):
-    config = _config(tiny_model, tiny_model, tmp_path / "out", lora={"rank": 4})
-    model = make_trainable(load_student(tiny_model), config.lora)
+def test_merged_output_has_the_peft_models_logits(tiny_mla, tmp_path):
+    config = _config(tiny_mla, tiny_mla, tmp_path / "out", lora={"rank": 4})
+    model = make_trainable(load_student(tiny_mla), config.lora)
     torch.manual_seed(5)
     with torch.no_grad():  # a trained-looking adapter: non-zero B matrices and moved norms
         for _name, param in model.named_parameters():
@@ -144,26 +131,26 @@ def test_merged_output_has_the_peft_models_logits(tiny_model, tmp_path):
     with torch.no_grad():
         before_merge = model(input_ids=ids).logits
     report = {"tokens_trained": 0, "steps": 0, "seconds": 0.0, "tokens_per_second": 0.0, "evaluations": []}
-    write_recovered(model, load_tokenizer(tiny_model), tiny_model, tmp_path / "out", config.model_dump(mode="json"), report)
+    write_recovered(model, load_tokenizer(tiny_mla), tiny_mla, tmp_path / "out", config.model_dump(mode="json"), report)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         after = loaded(input_ids=ids).logits
-    assert not torch.allclose(before_merge, AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=ids).logits, atol=1e-3)
+    assert not torch.allclose(before_merge, AutoModelForCausalLM.from_pretrained(tiny_mla)(input_ids=ids).logits, atol=1e-3)
     torch.testing.assert_close(after, before_merge, atol=2e-5, rtol=1e-4)
 
 
-def test_full_attention_trains_every_attention_parameter_only(tiny_model, tmp_path):
-    model = make_trainable(load_student(tiny_model), None)  # no LoRA settings: full attention
+def test_full_attention_trains_every_attention_parameter_only(tiny_mla, tmp_path):
+    model = make_trainable(load_student(tiny_mla), None)  # no LoRA settings: full attention
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == {name for name, _ in model.named_parameters() if ".self_attn." in name}
     assert any("kv_a_layernorm" in name for name in trainable)
 
 
-def test_distillation_from_a_source_teacher(tiny_model, corpus, tmp_path):
+def test_distillation_from_a_source_teacher(tiny_mla, corpus, tmp_path):
     teacher = build_source(tmp_path / "source", vocab_size=384)
     out = tmp_path / "distilled"
     report = recover(
-        _config(tiny_model, corpus, out, teacher=str(teacher), max_steps=6, eval_every=0, distill_weight=0.7, temperature=2.0),
+        _config(tiny_mla, corpus, out, teacher=str(teacher), max_steps=6, eval_every=0, distill_weight=0.7, temperature=2.0),
         show_progress=False,
     )
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
@@ -201,16 +188,16 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "mha2mla.cli.main", "recover", *args]
 
 
-def test_sigkill_then_resume_auto_ends_at_the_same_loss(tiny_model, corpus, tmp_path):
+def test_sigkill_then_resume_auto_ends_at_the_same_loss(tiny_mla, corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     common = ["--data", str(corpus), "--max-steps", "300", "--seq-len", "32", "--batch-size", "2", "--lr", "5e-3",
               "--lora-rank", "4", "--save-every", "10", "--eval-every", "0", "--eval-sequences", "2", "--no-progress",
               "--warmup-steps", "5"]
     reference = tmp_path / "reference"
-    subprocess.run(_cli(str(tiny_model), "--out", str(reference), *common), env=env, check=True, capture_output=True)
+    subprocess.run(_cli(str(tiny_mla), "--out", str(reference), *common), env=env, check=True, capture_output=True)
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen(_cli(str(tiny_model), "--out", str(killed), *common), env=env,
+    process = subprocess.Popen(_cli(str(tiny_mla), "--out", str(killed), *common), env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not (killed / "step-000020").exists() and process.poll() is None:
         time.sleep(0.005)
@@ -219,7 +206,7 @@ def test_sigkill_then_resume_auto_ends_at_the_same_loss(tiny_model, corpus, tmp_
     assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (killed / "config.json").exists()
 
-    resumed = subprocess.run(_cli(str(tiny_model), "--out", str(killed), *common, "--resume", "auto"),
+    resumed = subprocess.run(_cli(str(tiny_mla), "--out", str(killed), *common, "--resume", "auto"),
                              env=env, capture_output=True, text=True, check=False)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     expected = json.loads((reference / "recovery_report.json").read_text())
@@ -235,21 +222,21 @@ def test_sigkill_then_resume_auto_ends_at_the_same_loss(tiny_model, corpus, tmp_
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)
 
 
-def test_resume_with_different_settings_is_refused(tiny_model, corpus, tmp_path):
+def test_resume_with_different_settings_is_refused(tiny_mla, corpus, tmp_path):
     out = tmp_path / "run"
-    recover(_config(tiny_model, corpus, out, max_steps=4, save_every=2, eval_every=0), show_progress=False)
+    recover(_config(tiny_mla, corpus, out, max_steps=4, save_every=2, eval_every=0), show_progress=False)
     (out / "config.json").unlink()  # pretend the run stopped before writing the model
     from mha2mla import UserError
 
     with pytest.raises(UserError, match="lora_rank"):
-        recover(_config(tiny_model, corpus, out, max_steps=4, save_every=2, eval_every=0, lora={"rank": 2}), resume="auto")
+        recover(_config(tiny_mla, corpus, out, max_steps=4, save_every=2, eval_every=0, lora={"rank": 2}), resume="auto")
 
 
-def test_ddp_on_two_cpu_processes(tiny_model, corpus, tmp_path):
+def test_ddp_on_two_cpu_processes(tiny_mla, corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "ACCELERATE_USE_CPU": "1"}
     out = tmp_path / "ddp"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "mha2mla.cli.main", "recover", str(tiny_model), "--data", str(corpus), "--out", str(out),
+               "-m", "mha2mla.cli.main", "recover", str(tiny_mla), "--data", str(corpus), "--out", str(out),
                "--max-steps", "6", "--seq-len", "32", "--batch-size", "2", "--grad-accum", "2", "--lr", "1e-2",
                "--lora-rank", "4", "--eval-sequences", "2", "--eval-every", "3", "--save-every", "3", "--no-progress"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=900)
@@ -266,14 +253,14 @@ def test_ddp_on_two_cpu_processes(tiny_model, corpus, tmp_path):
 # ------------------------------------------------------------------------------------------- recipes
 
 
-def test_recipe_recover_section_with_flags_over_it(tiny_model, corpus, tmp_path, monkeypatch, capsys):
+def test_recipe_recover_section_with_flags_over_it(tiny_mla, corpus, tmp_path, monkeypatch, capsys):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(
         f"source: tiny-source\nrecover:\n  data: {corpus}\n  max_steps: 8\n  seq_len: 32\n  batch_size: 2\n"
         "  learning_rate: 1.0e-2\n  eval_sequences: 2\n  eval_every: 0\n  save_every: 0\n  lora:\n    rank: 4\n    alpha: 8\n"
     )
     out = tmp_path / "out"
-    code, err = _run_main(monkeypatch, capsys, [str(tiny_model), "--recipe", str(recipe), "--out", str(out),
+    code, err = _run_main(monkeypatch, capsys, [str(tiny_mla), "--recipe", str(recipe), "--out", str(out),
                                                 "--max-steps", "3", "--lora-rank", "2", "--no-progress"])
     assert code == 0, err
     report = json.loads((out / "recovery_report.json").read_text())
@@ -296,12 +283,12 @@ def test_recipe_recover_section_with_flags_over_it(tiny_model, corpus, tmp_path,
         ("", None, "give --out (or `out:` under `recover:` in a --recipe)."),  # None: no --out either
     ],
 )
-def test_bad_recipe_or_option_is_one_sentence(tiny_model, corpus, tmp_path, monkeypatch, capsys, section, flags, expected):
+def test_bad_recipe_or_option_is_one_sentence(tiny_mla, corpus, tmp_path, monkeypatch, capsys, section, flags, expected):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"source: tiny-source\nrecover:\n  data: {corpus}\n  max_steps: 2\n" + section)
     out = tmp_path / "out"
     out_flags = [] if flags is None else ["--out", str(out), *flags]
-    code, err = _run_main(monkeypatch, capsys, [str(tiny_model), "--recipe", str(recipe), *out_flags])
+    code, err = _run_main(monkeypatch, capsys, [str(tiny_mla), "--recipe", str(recipe), *out_flags])
     assert code == 2
     message = err.strip().splitlines()
     assert len(message) == 1 and message[0].startswith("error:") and expected in message[0], err
@@ -336,7 +323,7 @@ def _run_main(monkeypatch, capsys, args: list[str]) -> tuple[int, str]:
         ("missing_data", "does not exist"),
     ],
 )
-def test_bad_input_is_one_sentence_and_leaves_no_output(tiny_model, corpus, tmp_path, monkeypatch, capsys, case, expected):
+def test_bad_input_is_one_sentence_and_leaves_no_output(tiny_mla, corpus, tmp_path, monkeypatch, capsys, case, expected):
     data, extra = tmp_path / "data.txt", []
     if case == "empty":
         data.write_text("  \n")
@@ -350,7 +337,7 @@ def test_bad_input_is_one_sentence_and_leaves_no_output(tiny_model, corpus, tmp_
     else:
         data = tmp_path / "nowhere.txt"
     out = tmp_path / "out"
-    code, err = _run_main(monkeypatch, capsys, [str(tiny_model), "--data", str(data), "--out", str(out),
+    code, err = _run_main(monkeypatch, capsys, [str(tiny_mla), "--data", str(data), "--out", str(out),
                                                 "--max-steps", "2", "--seq-len", "64", "--no-progress", *extra])
     assert code == 2
     message = err.strip().splitlines()

@@ -483,7 +483,7 @@ def test_every_recipe_eval_section_is_valid(eval_cache):
     from mha2mla.evaluation.tasks import parse_task_list
     from mha2mla.recipes import build_settings
 
-    recipes = sorted(Path(__file__).resolve().parents[1].glob("recipes/*/*.yaml"))
+    recipes = sorted(Path(__file__).resolve().parents[2].glob("recipes/*/*.yaml"))
     with_eval = [path for path in recipes if "eval" in (yaml.safe_load(path.read_text()) or {})]
     assert any("smollm2" in str(path) for path in with_eval)
     known = set(task_manager().all_tasks)

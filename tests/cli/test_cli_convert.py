@@ -12,32 +12,27 @@ from common import build_source, run_cli
 from safetensors.torch import load_file, save_file
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return build_source(tmp_path_factory.mktemp("src") / "llama", "llama", num_heads=4, num_kv_heads=2)
-
-
 def leftovers(folder):
     return [p.name for p in folder.iterdir() if p.name.startswith(".")]
 
 
-def test_convert_and_inspect(source, tmp_path, capsys):
+def test_convert_and_inspect(llama_source, tmp_path, capsys):
     out = tmp_path / "out"
-    code, stdout, _ = run_cli(["convert", source, out, "--kv-budget", "0.25", "--no-progress"], capsys)
+    code, stdout, _ = run_cli(["convert", llama_source, out, "--kv-budget", "0.25", "--no-progress"], capsys)
     assert code == 0 and "KV cache per token" in stdout
     assert "method: calibrated on the bundled sample, 256 x 256 tokens" in stdout  # the default is the best method
     assert "calibrated on the bundled sample" in (out / "README.md").read_text()
     assert (out / "config.json").exists()
-    code, stdout, _ = run_cli(["inspect", source, "--json"], capsys)
+    code, stdout, _ = run_cli(["inspect", llama_source, "--json"], capsys)
     info = json.loads(stdout)
     assert code == 0 and info["family"] == "llama" and info["kv_heads"] == 2 and info["attention"] == "GQA"
     code, stdout, _ = run_cli(["inspect", out], capsys)
     assert code == 0 and "deepseek_v3" in stdout
 
 
-def test_weight_only_is_asked_for_and_says_so(source, tmp_path, capsys):
+def test_weight_only_is_asked_for_and_says_so(llama_source, tmp_path, capsys):
     out = tmp_path / "out"
-    code, stdout, err = run_cli(["convert", source, out, "--calib", "none", "--dry-run"], capsys)
+    code, stdout, err = run_cli(["convert", llama_source, out, "--calib", "none", "--dry-run"], capsys)
     assert code == 0 and "method: weight-only" in stdout and "poor without `mha2mla recover`" in stdout
     assert "weight-only conversion" in err and not out.exists()
 
@@ -49,16 +44,16 @@ def test_help_lists_what_a_user_needs(capsys):
     assert {"--kv-budget", "--profile", "--calib", "--calib-samples", "--calib-device", "--recipe", "--dry-run", "--force"} <= options
 
 
-def test_recipe_sets_options_and_rejects_unknown_keys(source, tmp_path, capsys):
+def test_recipe_sets_options_and_rejects_unknown_keys(llama_source, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"source: {source}\nconvert:\n  profile: exact\n  kv_lora_rank: 17\n  rope_dim: 8\n")
+    recipe.write_text(f"source: {llama_source}\nconvert:\n  profile: exact\n  kv_lora_rank: 17\n  rope_dim: 8\n")
     out = tmp_path / "out"
     code, _, err = run_cli(["convert", out, "--recipe", recipe, "--no-progress"], capsys)
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["kv_lora_rank"] == 17 and config["qk_rope_head_dim"] == 8 and config["attention_bias"]
     recipe.write_text("convert:\n  kv_lora_rnk: 17\n")
-    code, _, err = run_cli(["convert", source, tmp_path / "out2", "--recipe", recipe], capsys)
+    code, _, err = run_cli(["convert", llama_source, tmp_path / "out2", "--recipe", recipe], capsys)
     assert code == 2 and "kv_lora_rnk" in err and not (tmp_path / "out2").exists()
 
 
@@ -152,10 +147,10 @@ def test_nan_weights(tmp_path, capsys):
         (["--profile", "fast"], "profile"),
     ],
 )
-def test_bad_sizes(source, tmp_path, capsys, args, needle):
+def test_bad_sizes(llama_source, tmp_path, capsys, args, needle):
     out = tmp_path / "work" / "out"
     out.parent.mkdir()
-    code, _, err = run_cli(["convert", source, out, *args], capsys)
+    code, _, err = run_cli(["convert", llama_source, out, *args], capsys)
     _assert_clean_failure(code, err, out, needle)
 
 
@@ -167,40 +162,40 @@ def test_bad_sizes(source, tmp_path, capsys, args, needle):
         (["--calib", "NONE", "--calib-device", "cpu"], "so calib_device (--calib-device) contradicts it"),
     ],
 )
-def test_weight_only_refuses_calibration_settings(source, tmp_path, capsys, args, needle):
+def test_weight_only_refuses_calibration_settings(llama_source, tmp_path, capsys, args, needle):
     out = tmp_path / "work" / "out"
     out.parent.mkdir()
-    code, _, err = run_cli(["convert", source, out, *args], capsys)
+    code, _, err = run_cli(["convert", llama_source, out, *args], capsys)
     assert code == 2
     _assert_clean_failure(code, err, out, needle)
 
 
-def test_weight_only_contradicted_by_the_recipe_names_the_recipe_key(source, tmp_path, capsys):
+def test_weight_only_contradicted_by_the_recipe_names_the_recipe_key(llama_source, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("convert:\n  calib_samples: 8\n")
     out = tmp_path / "work" / "out"
     out.parent.mkdir()
-    code, _, err = run_cli(["convert", source, out, "--recipe", recipe, "--calib", "none"], capsys)
+    code, _, err = run_cli(["convert", llama_source, out, "--recipe", recipe, "--calib", "none"], capsys)
     _assert_clean_failure(code, err, out, "calib_samples")
-    code, _, err = run_cli(["convert", source, out, "--recipe", recipe, "--calib", "none", "--dry-run"], capsys)
+    code, _, err = run_cli(["convert", llama_source, out, "--recipe", recipe, "--calib", "none", "--dry-run"], capsys)
     assert code == 2  # a dry run is refused the same way
 
 
-def test_out_inside_the_source_folder_is_refused(source, tmp_path, capsys):
-    before = sorted(p.name for p in source.iterdir())
-    code, _, err = run_cli(["convert", source, source / "mla", "--calib", "none", "--no-progress"], capsys)
+def test_out_inside_the_source_folder_is_refused(llama_source, tmp_path, capsys):
+    before = sorted(p.name for p in llama_source.iterdir())
+    code, _, err = run_cli(["convert", llama_source, llama_source / "mla", "--calib", "none", "--no-progress"], capsys)
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert "inside the source model" in err
-    assert sorted(p.name for p in source.iterdir()) == before
+    assert sorted(p.name for p in llama_source.iterdir()) == before
 
 
-def test_existing_out_is_refused_without_force(source, tmp_path, capsys):
+def test_existing_out_is_refused_without_force(llama_source, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    code, _, err = run_cli(["convert", source, out, "--no-progress"], capsys)
+    code, _, err = run_cli(["convert", llama_source, out, "--no-progress"], capsys)
     assert code != 0 and "--force" in err and (out / "keep.txt").read_text() == "mine"
-    code, _, err = run_cli(["convert", source, out, "--no-progress", "--force"], capsys)
+    code, _, err = run_cli(["convert", llama_source, out, "--no-progress", "--force"], capsys)
     assert code == 2 and "not written by mha2mla" in err and (out / "keep.txt").read_text() == "mine"
 
 
