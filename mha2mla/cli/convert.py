@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from mha2mla.convert.options import ConvertOptions, build_options, load_recipe
+from mha2mla.devices import check_device
 from mha2mla.io.output import check_destination, check_replaceable
 from mha2mla.io.source import check_source
 
@@ -52,6 +53,7 @@ def convert_command(
         calib_device=calib_device, reconstruct=reconstruct,
     )
     check_source(source)  # the mistakes found without reading a model: one sentence before torch loads
+    check_device(options.calib_device, "--calib-device")
     if not dry_run:
         check_destination(out, [("the source model", source)])
         check_replaceable(out, force)
