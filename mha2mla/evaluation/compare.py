@@ -13,12 +13,14 @@ import torch
 
 from mha2mla import UserError, __version__
 from mha2mla.data.held_out import text_token_ids
+from mha2mla.devices import resolve_device
 from mha2mla.evaluation.harness import evaluate_model, normalize_limit
-from mha2mla.evaluation.loading import LoadedModel, check_model_spec, default_device, load_model
+from mha2mla.evaluation.loading import LoadedModel, check_model_spec, load_model
 from mha2mla.evaluation.measure import forward_throughput, kv_cache_size, parameter_counts
 from mha2mla.evaluation.perplexity import text_perplexity
 from mha2mla.evaluation.report import write_report
 from mha2mla.evaluation.tasks import check_tasks, parse_task_list, task_manager
+from mha2mla.io.output import check_results_folder, write_errors
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,11 @@ def evaluate_loaded(
     return result
 
 
+def check_eval_out(out: str | Path) -> None:
+    """Refuse an --out that cannot take the report before any model is evaluated."""
+    check_results_folder(out, "results.json, results.md and the plots")
+
+
 def _unique_names(results: list[dict]) -> None:
     seen: dict[str, int] = {}
     for result in results:
@@ -165,6 +172,8 @@ def run_eval(
     Returns the report dict (``settings``, ``models``, ``table``, ``plots``, ``markdown``).
     """
     text = _check_settings(models, batch_size, text, text_tokens)
+    device = resolve_device(device)
+    check_eval_out(out)
     task_names = [] if tasks is None and text is not None else parse_task_list(tasks)
     limit = normalize_limit(limit)
     specs = ([(baseline, "source")] if baseline else []) + [(spec, "model") for spec in models]
@@ -173,7 +182,6 @@ def run_eval(
     manager = task_manager() if task_names else None
     if task_names:
         check_tasks(task_names, manager)  # fail on a bad task name before loading any model
-    device = device or default_device()
     results = []
     for index, (spec, role) in enumerate(specs, start=1):
         loaded = load_model(spec, dtype=dtype, device=device)
@@ -201,4 +209,5 @@ def run_eval(
         "mha2mla_version": __version__,
         "lm_eval_version": lm_eval.__version__,
     }
-    return write_report(results, settings, Path(out))
+    with write_errors(Path(out)):
+        return write_report(results, settings, Path(out))
