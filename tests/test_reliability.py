@@ -560,6 +560,12 @@ def test_generate_caps_new_tokens_at_the_context(converted, capsys, stderr_loggi
     assert capped and int(capped[1]) + int(capped[3]) == int(capped[2]) == 512, lines[0]
 
 
+def test_generate_with_a_temperature_that_overflows_is_greedy(converted, capsys):
+    greedy = run_cli(["generate", converted, "-p", "the latent", "-n", "8", "--ignore-eos"], capsys)
+    tiny = run_cli(["generate", converted, "-p", "the latent", "-n", "8", "--ignore-eos", "--temperature", "1e-45"], capsys)
+    assert tiny[0] == 0 and tiny == greedy, tiny
+
+
 def test_ctrl_c_prints_its_one_line(model, tmp_path, capsys, monkeypatch, stderr_logging):
     import mha2mla.convert.pipeline
 

@@ -42,9 +42,10 @@ def sample_next(
 ) -> torch.Tensor:
     """logits (B, V) -> token ids (B,). temperature <= 0 is greedy; top_p keeps the smallest set of most
     probable tokens whose mass reaches top_p."""
-    if temperature <= 0:
+    scaled = logits.float() / temperature if temperature > 0 else None
+    if scaled is None or not torch.isfinite(scaled).all():  # a temperature so small it overflows: its limit, greedy
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    probs = torch.softmax(scaled, dim=-1)  # (B, V)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
