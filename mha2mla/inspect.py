@@ -39,12 +39,35 @@ def _mla_info(config: dict) -> dict:
         "qk_rope_head_dim": config["qk_rope_head_dim"],
         "qk_nope_head_dim": config["qk_nope_head_dim"],
         "v_head_dim": config["v_head_dim"],
-        "rope": config.get("rope_parameters"),
+        "rope": rope_text(config.get("rope_parameters") or config.get("rope_scaling")),
         "kv_values_per_token_per_layer": values,
         "kv_bytes_per_token": values * layers * DTYPES[dtype].itemsize,
         "kv_dtype": _dtype_label(dtype),
         "converted_by": config.get("mha2mla"),
     }
+
+
+def rope_text(rope: dict | None) -> str:
+    """A rope config as a line of text: its type, theta, then any scaling settings (``llama3, theta 500000, factor
+    8.0, ...``)."""
+    rope = dict(rope or {})
+    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    theta = rope.pop("rope_theta", None)
+    parts = [str(kind)] + ([f"theta {theta:g}"] if isinstance(theta, (int, float)) else [])
+    for key, value in rope.items():
+        shown = f"{len(value)} values" if isinstance(value, (list, tuple)) else f"{value:g}" if isinstance(value, float) else value
+        parts.append(f"{key} {shown}")
+    return ", ".join(parts)
+
+
+def approximations(family, rope: dict | None) -> str:
+    """What a conversion of this source approximates: the family's list without the rope scalings the source does
+    not use (``llama3 rope scaling`` only for a llama3 rope)."""
+    kind = str((rope or {}).get("rope_type") or (rope or {}).get("type") or "default")
+    parts = [part for part in (family.approximated or "").split("; ")
+             if " scaling" not in part or part.split(" ")[0] == kind]
+    return "; ".join(part for part in parts if part) or "nothing beyond the rope and rank cuts"
 
 
 def _budgets(config: dict, family, source_format: str) -> tuple[list[dict], str]:
@@ -77,6 +100,7 @@ def inspect_model(model: str) -> dict:
     shape = SourceShape.from_config(config, family)
     source_format = "gguf" if str(model).lower().endswith(".gguf") else "safetensors"
     budgets, dtype = _budgets(config, family, source_format)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {"rope_theta": shape.rope_theta}
     return {
         "family": family.name,
         "architecture": (config.get("architectures") or ["?"])[0],
@@ -86,7 +110,7 @@ def inspect_model(model: str) -> dict:
         "kv_heads": shape.num_kv_heads,
         "attention": "MHA" if shape.num_heads == shape.num_kv_heads else ("MQA" if shape.num_kv_heads == 1 else "GQA"),
         "head_dim": shape.head_dim,
-        "rope": config.get("rope_parameters") or {"rope_theta": shape.rope_theta},
+        "rope": rope_text(rope),
         "source_dtype": str(config.get("dtype") or config.get("torch_dtype"))
         + (" (dequantised from the GGUF file)" if source_format == "gguf" else ""),
         "kv_values_per_token_per_layer": shape.kv_values_per_token_per_layer,
@@ -94,6 +118,6 @@ def inspect_model(model: str) -> dict:
         "kv_dtype": _dtype_label(dtype) + ", the dtype `mha2mla convert` writes by default",
         "max_latent_rank": shape.max_latent_rank,
         "exact_at_full_capacity": family.exact,
-        "approximated": family.approximated or "nothing beyond the rope and rank cuts",
+        "approximated": approximations(family, rope),
         "budgets": budgets,
     }

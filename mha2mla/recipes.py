@@ -17,6 +17,7 @@ from mha2mla import UserError
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.evaluation.config import EvalConfig
 from mha2mla.generation import GenerateConfig
+from mha2mla.io.recipe_errors import yaml_error_sentence
 from mha2mla.train.config import RecoverConfig
 
 SECTIONS: dict[str, type[BaseModel]] = {"convert": ConvertOptions, "recover": RecoverConfig, "eval": EvalConfig,
@@ -64,7 +65,7 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:
-        raise UserError(f"recipe {path} is not valid YAML ({' '.join(str(error).split())}).") from None
+        raise UserError(yaml_error_sentence(path, error)) from None
     if not isinstance(data, dict):
         raise UserError(f"recipe {path} is not a mapping of `source:` and command sections; see recipes/ for examples.")
     unknown = sorted(set(data) - set(Recipe.model_fields))

@@ -9,6 +9,7 @@ import typer
 
 from mha2mla.cli.settings import Flags, with_settings
 from mha2mla.convert.options import ConvertOptions
+from mha2mla.devices import check_device
 from mha2mla.extras import require_gguf_reader
 from mha2mla.io.source import check_source
 from mha2mla.recipes import load_recipe
@@ -42,6 +43,7 @@ def convert_command(
             raise UserError("give both SOURCE and OUT (or a --recipe with `source:` and only OUT).")
         source, out = recipe_source, Path(source)
     check_source(source)  # the mistakes found without reading a model: one sentence before torch loads
+    check_device(settings.calib_device, "--calib-device")
     require_gguf_reader(source)
     from mha2mla.convert.pipeline import convert  # checks OUT (convert.pipeline.prepare_out) before any work
     from mha2mla.convert.plan.summary import format_plan

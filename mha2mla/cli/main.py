@@ -94,6 +94,8 @@ def main() -> None:
     except UserError as error:
         _fail(str(error), 2)
     except (typer.Abort, KeyboardInterrupt):
+        code = 130
+    if code == 130:  # Ctrl-C: typer turns KeyboardInterrupt into Exit(130), which standalone_mode=False returns
         _fail("interrupted; run the command again to finish (no partial output is kept).", 130)
     sys.exit(code if isinstance(code, int) else 0)  # as click's standalone mode: always through SystemExit
 

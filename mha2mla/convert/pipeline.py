@@ -37,6 +37,7 @@ from mha2mla.convert.plan.resolve import ConversionPlan, make_plan
 from mha2mla.convert.source import SourceReader
 from mha2mla.convert.steps.attention import convert_attention
 from mha2mla.convert.steps.records import LayerStatistics, LayerWork
+from mha2mla.devices import check_device
 from mha2mla.families import family_for_config
 from mha2mla.io.card import write_model_card
 from mha2mla.io.output import check_destination, check_replaceable, staged_output
@@ -102,6 +103,7 @@ def convert(
     plan/methods.py)."""
     options = options or ConvertOptions()
     started = time.time()
+    check_device(options.calib_device, "--calib-device")
     out = Path(out) if out is not None else None
     if out is not None and not dry_run:
         prepare_out(out, force, source)

@@ -13,13 +13,15 @@ import torch
 
 from mha2mla import UserError, __version__
 from mha2mla.data.held_out import text_token_ids
+from mha2mla.devices import resolve_device
 from mha2mla.evaluation.config import PROMPT_TOKENS, EvalConfig
 from mha2mla.evaluation.harness import evaluate_model, normalize_limit
-from mha2mla.evaluation.loading import LoadedModel, check_model_spec, default_device, load_model
+from mha2mla.evaluation.loading import LoadedModel, check_model_spec, load_model
 from mha2mla.evaluation.measure import forward_throughput, kv_cache_size, parameter_counts
 from mha2mla.evaluation.perplexity import text_perplexity
 from mha2mla.evaluation.report import write_report
 from mha2mla.evaluation.tasks import check_tasks, parse_task_list, task_manager
+from mha2mla.io.output import check_results_folder, write_errors
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,11 @@ def evaluate_loaded(loaded: LoadedModel, tasks: list[str], config: EvalConfig, r
     return result
 
 
+def check_eval_out(out: str | Path) -> None:
+    """Refuse an --out that cannot take the report before any model is evaluated."""
+    check_results_folder(out, "results.json, results.md and the plots")
+
+
 def _unique_names(results: list[dict]) -> None:
     seen: dict[str, int] = {}
     for result in results:
@@ -133,6 +140,8 @@ def run_eval(config: EvalConfig) -> dict:
     Returns the report dict (``settings``, ``models``, ``table``, ``plots``, ``markdown``).
     """
     text = None if config.text is None else check_text_file(config.text)
+    device = resolve_device(config.device)
+    check_eval_out(config.out)
     task_names = [] if config.tasks is None and text is not None else parse_task_list(config.tasks)
     specs = ([(config.baseline, "source")] if config.baseline else []) + [(spec, "model") for spec in config.models]
     for spec, _ in specs:  # fail on a bad path before the slow parts
@@ -140,7 +149,6 @@ def run_eval(config: EvalConfig) -> dict:
     manager = task_manager() if task_names else None
     if task_names:
         check_tasks(task_names, manager)  # fail on a bad task name before loading any model
-    device = config.device or default_device()
     results = []
     for index, (spec, role) in enumerate(specs, start=1):
         loaded = load_model(spec, dtype=config.dtype, device=device)
@@ -163,4 +171,5 @@ def run_eval(config: EvalConfig) -> dict:
         "mha2mla_version": __version__,
         "lm_eval_version": lm_eval.__version__,
     }
-    return write_report(results, settings, Path(config.out))
+    with write_errors(Path(config.out)):
+        return write_report(results, settings, Path(config.out))

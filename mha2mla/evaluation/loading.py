@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mha2mla import UserError
+from mha2mla.devices import resolve_device
 from mha2mla.io.cache import cached_default_model
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str 
 
     from mha2mla.evaluation.tasks import is_offline
 
-    device = device or default_device()
+    device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype)
     spec = str(spec)
     path = cached_default_model() if spec == "default" else Path(spec).expanduser()

@@ -41,6 +41,28 @@ def table_metrics(task_metrics: dict) -> list[str]:
     return [m for m in task_metrics if not m.endswith("_stderr") and "_stderr," not in m]
 
 
+# bytes per value of the dtypes a KV cache is measured in
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_row_dtype(results: list[dict]) -> str | None:
+    """The one dtype the KV-bytes row compares every model in: the cache dtype of the first compared (not baseline)
+    model, the dtype a conversion is run in (a source dequantised to float32 next to a bfloat16 output would
+    otherwise count its cache twice as large)."""
+    ordered = sorted(results, key=lambda r: r["role"] == "source")
+    for r in ordered:
+        measured = r["measurements"]
+        dtype = measured.get("kv_cache_dtype") or measured.get("dtype")
+        if dtype in DTYPE_BYTES:
+            return dtype
+    return None
+
+
+def _kv_bytes_in(measurements: dict, dtype: str) -> float | None:
+    values = measurements.get("kv_cache_values_per_token")
+    return None if values is None else values * DTYPE_BYTES[dtype]
+
+
 def comparison_rows(results: list[dict]) -> list[dict]:
     """One row per (task, metric) and per measurement: ``{"task", "metric", "values": {name: v}, "deltas": ...}``."""
     baseline = next((r for r in results if r["role"] == "source"), None)
@@ -56,14 +78,13 @@ def comparison_rows(results: list[dict]) -> list[dict]:
                     "values": {r["name"]: r["tasks"].get(task, {}).get(metric) for r in results},
                 }
             )
+    kv_dtype = kv_row_dtype(results)
     for metric in MEASUREMENT_ROWS:
-        rows.append(
-            {
-                "task": "model",
-                "metric": metric,
-                "values": {r["name"]: r["measurements"].get(metric) for r in results},
-            }
-        )
+        row = {"task": "model", "metric": metric, "values": {r["name"]: r["measurements"].get(metric) for r in results}}
+        if metric == "kv_cache_bytes_per_token" and kv_dtype is not None:
+            row["dtype"] = kv_dtype
+            row["values"] = {r["name"]: _kv_bytes_in(r["measurements"], kv_dtype) for r in results}
+        rows.append(row)
     for row in rows:
         if baseline is None:
             continue
@@ -94,7 +115,7 @@ def _format_delta(metric: str, delta: dict | None) -> str:
         return "–"
     text = f"{delta['delta']:+.4g}"
     if (metric in LOWER_IS_BETTER or metric == "tokens_per_second") and delta["ratio"] is not None:
-        text += f" (×{delta['ratio']:.3g})"
+        text += f" (×{delta['ratio']:.4g})"
     return text
 
 
@@ -114,7 +135,7 @@ def markdown_table(results: list[dict], rows: list[dict]) -> str:
             align.append("---:")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for row in rows:
-        cells = [row["task"], row["metric"]]
+        cells = [row["task"], row["metric"] + (f" ({row['dtype']})" if row.get("dtype") else "")]
         if baseline is not None:
             cells.append(_format_value(row["values"].get(baseline["name"])))
         for r in others:

@@ -20,11 +20,13 @@ import torch
 
 from mha2mla import UserError, __version__
 from mha2mla.convert.output.portable import check_portable_folder
-from mha2mla.export.vocab import read_vocab
+from mha2mla.export.vocab import check_pre_tokenizer, read_vocab
 from mha2mla.io.output import check_file_destination, staged_file
 from mha2mla.io.reader import LazyCheckpoint
 
 log = logging.getLogger(__name__)
+# The gguf package's writer logs at INFO what export-gguf says itself (and the hidden staging file's name).
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 ARCH = "deepseek2"
 # The start of general.description in every GGUF export-gguf writes; --force replaces only such files.
@@ -77,6 +79,7 @@ def export_gguf(model_folder: str | Path, out_path: str | Path, tensor_type: str
     folder, out = Path(model_folder), Path(out_path)
     if tensor_type not in TENSOR_TYPES:
         raise UserError(f"unknown --type {tensor_type!r}; choose one of {', '.join(TENSOR_TYPES)}.")
+    check_pre_tokenizer(pre_tokenizer)
     check_file_destination(out, [("the model being exported", folder)], force=force, is_ours_file=written_by_mha2mla,
                            kind="GGUF")
     ckpt = LazyCheckpoint(folder)

@@ -30,6 +30,24 @@ KNOWN_SPLITS = {
     _SPLIT_PATTERN.replace("{digits}", r"\p{N}"): "qwen2",  # Qwen2 / Qwen2.5
 }
 PRE_TOKENIZERS = ("gpt-2", "smollm", "llama-bpe", "qwen2")
+# Every tokenizer.ggml.pre name llama.cpp's vocab loader knows (src/llama-vocab.cpp); it reads any other name as
+# 'default' with only a log line, which tokenises wrongly, so --pre takes only these.
+LLAMA_CPP_PRE_TOKENIZERS = frozenset("""
+default llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 deepseek-llm deepseek-coder deepseek-v3
+falcon mpt starcoder gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum jina-v1-en
+jina-v2-code roberta-bpe refact command-r qwen2 deepseek-r1-qwen kormo stablelm2 olmo dbrx smaug-bpe poro-chat glm4
+chatglm-bpe viking jais tekken smollm codeshell bloom gpt3-finnish exaone exaone4 chameleon minerva-7b megrez gpt-4o
+llama4 superbpe trillion granite-docling bailingmoe bailingmoe2 llada-moe seed-coder hunyuan hunyuan-dense kimi-k2
+grok-2 afmoe minimax-m2
+""".split())
+
+
+def check_pre_tokenizer(name: str | None) -> None:
+    """Refuse a --pre that llama.cpp would not recognise (it would tokenise with its default split instead)."""
+    if name is not None and name not in LLAMA_CPP_PRE_TOKENIZERS:
+        raise UserError(f"--pre {name!r} is not a pre-tokenizer llama.cpp knows; give one of "
+                        f"{', '.join(sorted(LLAMA_CPP_PRE_TOKENIZERS))} (the byte-level BPE tokenizers mha2mla "
+                        f"converts use {', '.join(PRE_TOKENIZERS)}).")
 
 
 @dataclass

@@ -202,16 +202,37 @@ def _make_parents(folder: Path) -> list[Path]:
     return missing
 
 
+# Writers that lose the errno: safetensors ("... (os error 28)"), numpy's tofile under the gguf package ("N
+# requested and M written", "Not enough free space to write ...").
+_OS_ERROR_CODE = re.compile(r"os error (\d+)")
+_SHORT_WRITE = re.compile(r"Not enough free space|requested and \d+ written")
+
+
+def write_errno(error: BaseException) -> int | None:
+    """The errno behind a failed write, also when a library wrapped it in its own exception or message."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno
+    match = _OS_ERROR_CODE.search(str(error))
+    if match:
+        return int(match[1])
+    if isinstance(error, OSError) and _SHORT_WRITE.search(str(error)):
+        return errno.ENOSPC
+    return None
+
+
 @contextmanager
 def write_errors(out: Path) -> Iterator[None]:
     """A full disk or a permission error while writing is one sentence, not a traceback."""
     try:
         yield
-    except OSError as error:
-        if error.errno not in _WRITE_HINTS:
+    except UserError:
+        raise
+    except Exception as error:
+        code = write_errno(error)
+        if code not in _WRITE_HINTS:
             raise
-        where = error.filename or out
-        raise UserError(f"could not write {where} ({error.strerror}); {_WRITE_HINTS[error.errno]}.") from error
+        where = getattr(error, "filename", None) or out
+        raise UserError(f"could not write {where} ({os.strerror(code)}); {_WRITE_HINTS[code]}.") from error
 
 
 @contextmanager
@@ -241,6 +262,29 @@ def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, 
             except OSError:
                 break
         raise
+
+
+def _first_existing(target: Path) -> Path:
+    parent = target
+    while not parent.exists():
+        parent = parent.parent
+    return parent
+
+
+def check_results_folder(out: str | Path, what: str, *, name: str = "--out") -> None:
+    """Refuse a folder that files (``what``) are written into but that cannot hold them: a file, a read-only
+    folder, a path under a file or in a folder that cannot be written. Unlike OUT it may exist and be the current
+    folder: only the named files in it are replaced."""
+    out = Path(out)
+    target = out.expanduser().resolve()
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{name} {out} is a file; give a folder to write {what} into.")
+    existing = _first_existing(target)
+    if not existing.is_dir():
+        raise UserError(f"{existing} is a file, so {name} {out} cannot be created there; choose another {name}.")
+    if _read_only(existing):
+        where = f"{name} {out} is read-only" if existing == target else f"cannot write into {existing} (no write permission)"
+        raise UserError(f"{where}; choose a {name} you can write to.")
 
 
 # ---- single-file outputs (export-gguf) ---------------------------------------------------------------------------

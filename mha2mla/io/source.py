@@ -47,6 +47,19 @@ def check_source(source: str | Path) -> None:
         raise UserError(f"{source} does not exist; pass a model folder, a .gguf file or a hub id.")
 
 
+def check_gguf_magic(path: Path) -> None:
+    """A file named .gguf that does not start with the GGUF magic bytes (empty, random, another format) is one
+    sentence before anything is read or cached."""
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        raise UserError(f"cannot read {path} ({error.strerror}).") from None
+    if magic != b"GGUF":
+        what = "is empty" if not magic else "does not start with the GGUF magic bytes"
+        raise UserError(f"could not read {path} as a GGUF model (the file {what}); pass a .gguf model file.")
+
+
 def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
     """Load a .gguf file with transformers (dequantised) as a plain, unquantised model and its tokenizer.
     ``model_kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
@@ -68,51 +81,95 @@ def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
     return model, tokenizer
 
 
+def _lock_file(path: Path):
+    """``path`` opened and locked (waiting for a holder), or None where the file system has no locks. A holder
+    removes the file when done, so a lock whose file is gone by the time it is granted is taken again."""
+    while True:
+        handle = open(path, "a")
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another mha2mla process that is filling %s", path.name.removesuffix(".lock"))
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks: tolerate a concurrent winner
+                handle.close()
+                return None
+            if _same_file(handle, path):
+                return handle
+        except BaseException:
+            handle.close()
+            raise
+        handle.close()
+
+
+def _same_file(handle, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
 @contextlib.contextmanager
 def _filling(target: Path) -> Iterator[None]:
-    """Hold the lock that lets one process at a time fill cache entry ``target`` (the others wait, then find it)."""
+    """Hold the lock that lets one process at a time fill cache entry ``target`` (the others wait, then find it);
+    the lock file is removed when the holder is done, whether it filled the entry or failed."""
     if fcntl is None:
         yield
         return
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another mha2mla process that is dequantising into %s", target)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks: tolerate a concurrent winner below
-            pass
+    path = target.parent / f".{target.name}.lock"
+    handle = _lock_file(path)
+    try:
         yield
+    finally:
+        if handle is not None:
+            if _same_file(handle, path):
+                path.unlink(missing_ok=True)
+            handle.close()
+
+
+def _fill(gguf_path: Path, target: Path) -> None:
+    """Dequantise ``gguf_path`` into a staging folder beside ``target`` and rename it; the staging folder never
+    outlives a failure."""
+    log.info("dequantising %s into %s", gguf_path.name, target)
+    model, tokenizer = load_gguf_model(gguf_path)
+    staging = staging_path(target)
+    try:
+        staging.mkdir()
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "config.json").exists():  # a concurrent winner where locks do not work is kept
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def gguf_to_folder(gguf_path: str | Path) -> Path:
     """Dequantise a .gguf file once into a cached Hugging Face safetensors folder and return it.
 
     Filled under a lock, in a staging folder named with the PID (mha2mla/io/output.py) that is renamed at the end;
-    a killed run's staging folder is removed by the next one, and a concurrent process that won the race is kept."""
+    a killed run's staging folder is removed by the next one, and a concurrent process that won the race is kept.
+    A failure (not a GGUF, a full disk) leaves no staging folder, no lock and no cache folder made for it."""
     gguf_path = Path(gguf_path)
+    check_gguf_magic(gguf_path)
     target = _gguf_cache_folder(gguf_path)
     if (target / "config.json").exists():
         return target
-    with write_errors(target):
-        target.parent.mkdir(parents=True, exist_ok=True)
-    with write_errors(target), _filling(target):
-        remove_stale(target.parent)
-        if (target / "config.json").exists():  # filled while this process waited for the lock
-            return target
-        log.info("dequantising %s into %s", gguf_path.name, target)
-        model, tokenizer = load_gguf_model(gguf_path)
-        staging = staging_path(target)
-        try:
-            staging.mkdir()
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    made = not target.parent.exists()
+    try:
+        with write_errors(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with _filling(target):
+                remove_stale(target.parent)
+                if not (target / "config.json").exists():  # else filled while this process waited for the lock
+                    _fill(gguf_path, target)
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()  # only when empty: another process may be filling it
+        raise
     return target
 
 

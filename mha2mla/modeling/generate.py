@@ -10,6 +10,8 @@ EOS ids of the checkpoint folder and runs prefill once, then one absorbed decode
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,10 @@ import torch
 from transformers import AutoTokenizer
 
 from mha2mla import UserError
+from mha2mla.devices import resolve_device
 from mha2mla.modeling.model import MLAModel
+
+log = logging.getLogger(__name__)
 
 StreamCallback = Callable[[int, str], None]  # (row, new text)
 
@@ -37,15 +42,26 @@ def sample_next(
 ) -> torch.Tensor:
     """logits (B, V) -> token ids (B,). temperature <= 0 is greedy; top_p keeps the smallest set of most
     probable tokens whose mass reaches top_p."""
-    if temperature <= 0:
+    scaled = logits.float() / temperature if temperature > 0 else None
+    if scaled is None or not torch.isfinite(scaled).all():  # a temperature so small it overflows: its limit, greedy
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    probs = torch.softmax(scaled, dim=-1)  # (B, V)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token always survives
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """The generation settings a sampler can use, or one sentence naming the flag."""
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UserError(f"--temperature must be a finite number of at least 0 (0 is greedy), not {temperature}.")
+    if not 0.0 < top_p <= 1.0:  # also false for nan
+        raise UserError(f"--top-p must be in (0, 1], not {top_p}.")
 
 
 class IncrementalDetokenizer:
@@ -109,6 +125,8 @@ class MLAEngine:
         """Load a converted checkpoint folder: the model (see :meth:`MLAModel.from_pretrained` for ``dtype`` and
         ``decode_attention``), the tokenizer when the folder has one, and the EOS ids."""
         folder = Path(folder)
+        if not isinstance(device, torch.device):
+            device = resolve_device(device)
         model = MLAModel.from_pretrained(folder, device=device, dtype=dtype, decode_attention=decode_attention)
         tokenizer = None
         if load_tokenizer:
@@ -117,6 +135,19 @@ class MLAEngine:
             except (OSError, ValueError):  # a folder without tokenizer files: token ids only
                 tokenizer = None
         return cls(model, tokenizer, eos_token_ids(folder, model.config, tokenizer))
+
+    def cap_new_tokens(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """``max_new_tokens`` cut to what the context (``max_position_embeddings``) leaves after the longest prompt,
+        said in one line; a prompt that fills the context is refused."""
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is None or prompt_tokens + max_new_tokens <= context:
+            return max_new_tokens
+        if prompt_tokens >= context:
+            raise UserError(f"the prompt has {prompt_tokens} tokens but the model's context holds {context}; "
+                            "give a shorter prompt.")
+        log.warning("--max-new-tokens %d capped at %d: the context holds %d tokens and the longest prompt has %d.",
+                    max_new_tokens, context - prompt_tokens, context, prompt_tokens)
+        return context - prompt_tokens
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -143,11 +174,9 @@ class MLAEngine:
         receives each row's new text as it is produced."""
         if not prompts:
             raise UserError("give at least one prompt.")
-        if max_new_tokens < 1:
-            raise UserError("--max-new-tokens must be at least 1.")
-        if not 0.0 < top_p <= 1.0:
-            raise UserError("top-p must be in (0, 1].")
+        check_sampling(max_new_tokens, temperature, top_p)
         encoded = [self.encode(p) for p in prompts]
+        max_new_tokens = self.cap_new_tokens(max(len(ids) for ids in encoded), max_new_tokens)
         results = [Generation(prompt_tokens=ids) for ids in encoded]
         eos = set(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
         generator = _sampling_generator(temperature, seed, self.model.device)

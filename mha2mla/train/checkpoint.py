@@ -1,27 +1,47 @@
 """Resumable checkpoints: ``OUT/step-NNNNNN/`` holds the trainable weights (and the peft adapter),
-optimizer, scheduler, every RNG state and the data position. A folder is written as ``step-NNNNNN.tmp``
-and renamed when complete, so a run killed while saving leaves the previous checkpoint usable."""
+optimizer, scheduler, every RNG state and the data position.
+
+A checkpoint is written into a hidden staging folder next to it (mha2mla/io/output.py's names, so the next run
+removes one a killed writer left), every file fsynced, then renamed to ``step-NNNNNN``: a run killed while saving
+leaves the previous checkpoint complete. Before a resume every file of the checkpoint is read back
+(:func:`load_checkpoint`); a damaged one is named, and ``--resume auto`` falls back to the newest complete one
+(:func:`newest_complete`)."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from mha2mla import UserError
+from mha2mla.io.output import remove_stale, staging_path, write_errors
+
+log = logging.getLogger(__name__)
 
 STEP_PATTERN = re.compile(r"^step-(\d{6,})$")
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
+# Test-only: the step at which save_checkpoint stops half-way (after a marker file HELD in its staging folder) so a
+# test can kill -9 the run inside a save (tests/test_reliability.py).
+HOLD_ENV = "MHA2MLA_TEST_HOLD_SAVE_AT"
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint folder with a missing or unreadable file (the sentence names it)."""
 
 
 def step_folder(out: Path, step: int) -> Path:
@@ -29,13 +49,13 @@ def step_folder(out: Path, step: int) -> Path:
 
 
 def list_checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints in ``out``, oldest first."""
+    """The checkpoint folders in ``out`` (complete or damaged), oldest first."""
     if not out.is_dir():
         return []
     found = []
     for child in out.iterdir():
         match = STEP_PATTERN.match(child.name)
-        if match and child.is_dir() and (child / STATE_FILE).is_file():
+        if match and child.is_dir():
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
 
@@ -43,6 +63,25 @@ def list_checkpoints(out: Path) -> list[Path]:
 def latest_checkpoint(out: Path) -> Path | None:
     checkpoints = list_checkpoints(out)
     return checkpoints[-1] if checkpoints else None
+
+
+def newest_complete(out: Path, rank: int = 0) -> tuple[Path, dict] | None:
+    """The newest checkpoint in ``out`` whose files all read back, with what it holds; each damaged one newer than
+    it is named in a warning. None when there is no checkpoint; every one damaged is one sentence."""
+    damaged = []
+    for folder in reversed(list_checkpoints(out)):
+        try:
+            saved = load_checkpoint(folder, rank)
+        except DamagedCheckpoint as error:
+            damaged.append(str(error))
+            continue
+        for sentence in damaged:
+            log.warning("%s resuming from %s instead.", sentence.removesuffix("."), folder.name)
+        return folder, saved
+    if damaged:
+        raise UserError(f"every checkpoint in {out} is damaged ({damaged[0]}); remove the step-* folders to start the "
+                        "run again from step 0.")
+    return None
 
 
 def rng_state() -> dict:
@@ -71,6 +110,63 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _file_bytes(obj) -> bytes:
+    """``torch.save`` into memory: written through Python, a full disk is an OSError naming its errno (torch's own
+    file writer loses it)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _sync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _hold_here(step: int, staging: Path) -> None:
+    """The test hook of :data:`HOLD_ENV`: mark the staging folder and wait to be killed."""
+    if os.environ.get(HOLD_ENV) == str(step):
+        (staging / "HELD").write_text("held inside save_checkpoint\n")
+        time.sleep(3600)
+
+
+def _write_files(staging: Path, step: int, trainable, optimizer_state, scheduler_state, trainer_state, rng_states,
+                 adapter_model) -> None:
+    _write_synced(staging / TRAINABLE_FILE, save_safetensors({k: v.contiguous() for k, v in trainable.items()}))
+    _write_synced(staging / OPTIMIZER_FILE, _file_bytes(optimizer_state))
+    _hold_here(step, staging)
+    _write_synced(staging / SCHEDULER_FILE, _file_bytes(scheduler_state))
+    for rank, state in enumerate(rng_states):
+        _write_synced(staging / f"rng_state_{rank}.pt", _file_bytes(state))
+    if adapter_model is not None:  # the peft adapter, loadable on its own with PeftModel.from_pretrained; its
+        # tensors are the ones given (gathered from every process under FSDP), not the model's own (maybe shards)
+        adapter_model.save_pretrained(str(staging / "adapter"), state_dict=trainable)
+    _write_synced(staging / STATE_FILE, (json.dumps(trainer_state, indent=2) + "\n").encode())
+    _sync_folder(staging)
+
+
+def _put_in_place(staging: Path, final: Path) -> None:
+    """Rename ``staging`` to ``final``; an earlier folder of that name (a damaged checkpoint) is moved aside first."""
+    aside = None
+    if os.path.lexists(final):
+        aside = staging_path(final, "old")
+        os.rename(final, aside)
+    os.rename(staging, final)
+    _sync_folder(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def save_checkpoint(
     out: Path,
     step: int,
@@ -82,40 +178,75 @@ def save_checkpoint(
     adapter_model=None,
     keep: int = 2,
 ) -> Path:
-    """Write one checkpoint atomically (main process only) and prune all but the newest ``keep``."""
+    """Write one checkpoint atomically (main process only) and prune all but the newest ``keep``. A full disk is one
+    sentence and leaves no staging folder."""
     final = step_folder(out, step)
-    partial = final.with_name(final.name + ".tmp")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in trainable.items()}, str(partial / TRAINABLE_FILE))
-    torch.save(optimizer_state, partial / OPTIMIZER_FILE)
-    torch.save(scheduler_state, partial / SCHEDULER_FILE)
-    for rank, state in enumerate(rng_states):
-        torch.save(state, partial / f"rng_state_{rank}.pt")
-    if adapter_model is not None:  # the peft adapter, loadable on its own with PeftModel.from_pretrained; its
-        # tensors are the ones given (gathered from every process under FSDP), not the model's own (maybe shards)
-        adapter_model.save_pretrained(str(partial / "adapter"), state_dict=trainable)
-    (partial / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
+    with write_errors(final):
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale(out)
+        staging = staging_path(final)
+        try:
+            staging.mkdir()
+            _write_files(staging, step, trainable, optimizer_state, scheduler_state, trainer_state, rng_states,
+                         adapter_model)
+            _put_in_place(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     for old in list_checkpoints(out)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _first_line(error: BaseException) -> str:
+    text = " ".join(str(error).split("\n")[0].split()) or type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _read(folder: Path, name: str, reader):
+    """``reader(path)``, or a DamagedCheckpoint naming the file when it is missing or does not read back."""
+    path = folder / name
+    if not path.is_file():
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {name} is missing.")
+    try:
+        return reader(path)
+    except Exception as error:  # truncated zip, garbage bytes, a pickle payload weights_only refuses, bad JSON
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {name} does not read back "
+                                f"({type(error).__name__}: {_first_line(error)}).") from error
+
+
+def _trainer_state(path: Path) -> dict:
+    state = json.loads(path.read_text())
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("rows_consumed"), int):
+        raise ValueError("it does not hold the step and the data position")
+    return state
+
+
 def load_checkpoint(folder: Path, rank: int = 0) -> dict:
-    """Everything a checkpoint holds, as tensors/dicts (weights on CPU)."""
+    """Everything a checkpoint holds, as tensors/dicts (weights on CPU); a missing or unreadable file is a
+    :class:`DamagedCheckpoint` naming it. Nothing is unpickled (``weights_only``)."""
     folder = Path(folder)
-    if not (folder / STATE_FILE).is_file():
-        raise UserError(f"{folder} is not a complete recover checkpoint (no {STATE_FILE}).")
-    rng_file = folder / f"rng_state_{rank}.pt"
-    if not rng_file.is_file():
+    if not (folder / f"rng_state_{rank}.pt").is_file() and (folder / "rng_state_0.pt").is_file():
         raise UserError(f"{folder} was written by a run with fewer processes; resume with the same number of processes.")
+
+    def torch_file(path: Path):
+        with warnings.catch_warnings():  # torch's note on a foreign pickle protocol would precede the one sentence
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+
     return {
-        "trainable": load_file(str(folder / TRAINABLE_FILE)),
-        "optimizer": torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
-        "scheduler": torch.load(folder / SCHEDULER_FILE, map_location="cpu", weights_only=True),
-        "rng": torch.load(rng_file, weights_only=True),
-        "state": json.loads((folder / STATE_FILE).read_text()),
+        "state": _read(folder, STATE_FILE, _trainer_state),
+        "trainable": _read(folder, TRAINABLE_FILE, lambda path: load_safetensors(path.read_bytes())),
+        "optimizer": _read(folder, OPTIMIZER_FILE, torch_file),
+        "scheduler": _read(folder, SCHEDULER_FILE, torch_file),
+        "rng": _read(folder, f"rng_state_{rank}.pt", torch_file),
     }
+
+
+def check_trainable_shapes(folder: Path, saved: dict[str, torch.Tensor], model) -> None:
+    """The checkpoint's trainable tensors have the names and shapes of ``model``'s trainable parameters."""
+    params = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    for name, tensor in saved.items():
+        if name in params and tuple(tensor.shape) != params[name]:
+            raise UserError(f"checkpoint {folder}: {TRAINABLE_FILE} holds {name} of shape {tuple(tensor.shape)}, but "
+                            f"this run trains it as {params[name]}; resume with the model and settings of that run.")

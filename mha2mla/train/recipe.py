@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from mha2mla import UserError
 from mha2mla.evaluation.perplexity import batch_nll
+from mha2mla.io.output import remove_stale, write_errors
 from mha2mla.train import checkpoint as ckpt
 from mha2mla.train.config import RecoverConfig, flat_settings
 from mha2mla.train.data import PackedSequences, RowOrder, build_packed, target_mask
@@ -40,7 +41,7 @@ from mha2mla.train.distributed import (
     load_optimizer_state,
     start_accelerator,
 )
-from mha2mla.train.export import RECOVER_CONFIG, check_out_folder, write_recovered
+from mha2mla.train.export import RECOVER_CONFIG, RECOVERY_REPORT, check_out_folder, write_recovered
 from mha2mla.train.losses import distillation_loss, lm_loss
 from mha2mla.train.model import (
     check_teacher_matches,
@@ -75,9 +76,20 @@ def lr_multiplier(config: RecoverConfig, total_steps: int):
     return multiplier
 
 
+def _check_run_folder(out: Path) -> None:
+    """An existing, non-empty --out must be a recover run folder (its settings or checkpoints) or a finished one."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if (out / RECOVERY_REPORT).is_file() or (out / RECOVER_CONFIG).is_file() or ckpt.list_checkpoints(out):
+        return
+    raise UserError(f"--out {out} is not empty and was not written by mha2mla recover; choose a new or empty --out.")
+
+
 def resume_point(config: RecoverConfig, resume: str | None) -> Path | None:
-    """The checkpoint to continue from (None: a fresh run), after checking OUT is usable."""
+    """The checkpoint to continue from (None: a fresh run), after checking OUT is usable. A checkpoint is only
+    named here; :func:`restore_point` reads it back."""
     out = config.out_path
+    _check_run_folder(out)
     finished = (out / "config.json").is_file()
     if resume is None:
         if out.exists() and any(out.iterdir()):
@@ -85,16 +97,33 @@ def resume_point(config: RecoverConfig, resume: str | None) -> Path | None:
                 raise UserError(f"{out} already holds a recovered model; choose another --out.")
             if ckpt.list_checkpoints(out):
                 raise UserError(f"{out} holds checkpoints of an unfinished run; pass --resume auto to continue it.")
-            raise UserError(f"{out} exists and is not empty; choose another --out, or pass --resume auto to restart the run there.")
+            raise UserError(f"{out} holds an unfinished run without checkpoints; choose another --out, or pass "
+                            "--resume auto to restart the run there.")
         return None
     if resume == "auto":
         if finished:
             raise UserError(f"the run in {out} has already finished; choose another --out.")
         return ckpt.latest_checkpoint(out)
     path = Path(resume).expanduser()
-    if not (path / ckpt.STATE_FILE).is_file():
+    if not path.is_dir() or not ckpt.STEP_PATTERN.match(path.resolve().name):
         raise UserError(f"--resume {resume} is not a checkpoint folder (OUT/step-NNNNNN); use --resume auto.")
     return path
+
+
+def restore_point(config: RecoverConfig, resume: str | None, rank: int = 0) -> tuple[Path | None, dict | None]:
+    """The checkpoint a run continues from and what it holds, every file read back: ``--resume auto`` takes the
+    newest complete checkpoint (saying which damaged ones it passed over), a named checkpoint must be complete."""
+    chosen = resume_point(config, resume)
+    if chosen is None:
+        return None, None
+    if resume == "auto":
+        found = ckpt.newest_complete(config.out_path, rank)
+        return found if found is not None else (None, None)
+    try:
+        return chosen, ckpt.load_checkpoint(chosen, rank)
+    except ckpt.DamagedCheckpoint as error:
+        raise UserError(f"{str(error).removesuffix('.')}; resume from an earlier checkpoint, or use --resume auto "
+                        "to take the newest complete one.") from None
 
 
 def check_same_run(config: RecoverConfig, folder: Path) -> None:
@@ -102,7 +131,11 @@ def check_same_run(config: RecoverConfig, folder: Path) -> None:
     saved_path = folder / RECOVER_CONFIG
     if not saved_path.is_file():
         return
-    saved = flat_settings(json.loads(saved_path.read_text()))
+    try:
+        saved = flat_settings(json.loads(saved_path.read_text()))
+    except (ValueError, AttributeError, TypeError) as error:
+        raise UserError(f"{saved_path} is damaged ({type(error).__name__}); it records the run's settings: restore it, "
+                        "or delete it to resume without checking that the settings are the same.") from None
     current = flat_settings(config.outcome_fields())
     changed = sorted(key for key in current if saved.get(key) != current[key])
     if changed:
@@ -157,6 +190,21 @@ def packed_perplexity(model, rows: PackedSequences, batch_size: int, accelerator
     return math.exp(total[0].item() / max(1.0, total[1].item()))
 
 
+def _logged_until(log_path: Path, step: int) -> list[str]:
+    """The lines of a run's metrics log up to ``step`` (lines a kill cut short are dropped)."""
+    if not log_path.is_file():
+        return []
+    kept = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
+    return kept
+
+
 def fresh_state() -> dict:
     """What a checkpoint's ``trainer_state.json`` holds: the step, the data position, and the curves so far."""
     return {"step": 0, "rows_consumed": 0, "tokens_trained": 0, "train_seconds": 0.0, "losses": [], "evaluations": []}
@@ -171,6 +219,7 @@ class RecoveryRecipe:
         self.show_progress = show_progress
         self.state = fresh_state()
         self.resume_from: Path | None = None
+        self._saved: dict | None = None  # what the checkpoint resumed from holds, read back in setup()
         self.accelerator: Accelerator | None = None
         self.mixed_precision = "no"
         self.world, self.rank, self.is_main = 1, 0, True
@@ -193,10 +242,10 @@ class RecoveryRecipe:
         if config.teacher is not None:
             check_teacher_path(config.teacher)
         check_out_folder(config)  # refused before any training, not at export
-        self.resume_from = resume_point(config, self.resume)
-        if self.resume_from is not None:
+        if resume_point(config, self.resume) is not None:
             check_same_run(config, config.out_path)
         self.start_accelerator()
+        self.resume_from, self._saved = restore_point(config, self.resume, self.rank)
         self.tokenizer = load_tokenizer(config.model)
         rows_needed = config.total_steps(self.world) * self.rows_per_step
         self.train_rows, self.held_out = prepare_data(config, self.tokenizer, rows_needed)
@@ -237,9 +286,9 @@ class RecoveryRecipe:
         self.param_names = [name for name, _ in trainable]
         optimizer = torch.optim.AdamW([p for _, p in trainable], lr=config.learning_rate, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config, config.total_steps(self.world)))
-        saved = None
-        if self.resume_from is not None:
-            saved = ckpt.load_checkpoint(self.resume_from, self.rank)
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            ckpt.check_trainable_shapes(self.resume_from, saved["trainable"], model)
             load_trainable_state(model, saved["trainable"])  # before sharding: every process holds the whole model
             self.scheduler.load_state_dict(saved["scheduler"])
             self.state.update(saved["state"])
@@ -253,16 +302,15 @@ class RecoveryRecipe:
 
     def _open_run_folder(self) -> None:
         """OUT gets the run's settings and a metrics log (what a killed run logged after its last checkpoint is
-        dropped); checkpoints come later."""
+        dropped, a half-written last line with it); checkpoints come later. A full disk is one sentence."""
         out, log_path = self.config.out_path, self.config.out_path / TRAIN_LOG
         if self.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / RECOVER_CONFIG).write_text(json.dumps(self.config.outcome_fields(), indent=2) + "\n")
-            kept = []
-            if log_path.is_file():
-                lines = log_path.read_text().splitlines()
-                kept = [line for line in lines if json.loads(line).get("step", 0) <= self.state["step"]]
-            log_path.write_text("".join(line + "\n" for line in kept))
+            with write_errors(out):
+                out.mkdir(parents=True, exist_ok=True)
+                remove_stale(out)  # a checkpoint save a killed run left half-written
+                (out / RECOVER_CONFIG).write_text(json.dumps(self.config.outcome_fields(), indent=2) + "\n")
+                kept = _logged_until(log_path, self.state["step"])
+                log_path.write_text("".join(line + "\n" for line in kept))
         self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------------------------------ one step

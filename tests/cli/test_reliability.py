@@ -8,6 +8,7 @@ replaces an earlier mha2mla output by a swap, and what a killed run left is clea
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -16,20 +17,35 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from common import SAMPLE_TEXT, build_source, run_cli, tiny_tokenizer
+from common import SAMPLE_TEXT, build_source, run_cli, tiny_deepseek_config, tiny_tokenizer
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mha2mla import UserError
 from mha2mla.io.output import staged_output, staging_path
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted: capsys swaps it in only when the test body
+    runs, after fixtures are set up."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 @pytest.fixture
 def stderr_logging():
     """Log records reach stderr as in the real CLI (pytest's own handlers would swallow them)."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger()
     level = root.level
@@ -420,3 +436,403 @@ def test_recover_export_refuses_to_overwrite_a_file_in_the_run_folder(tmp_path):
     with pytest.raises(UserError, match="README.md"), staged_output(out, carry=True, name="--out") as staging:
         (staging / "README.md").write_text("# model card\n")
     assert snapshot(tmp_path) == before
+
+
+# ---- issue #29: every other command keeps convert's promises ------------------------------------------------------
+# Each case: (tmp, source model, converted MLA model) -> (arguments, folder to run in or None, words of the sentence).
+
+def calib_device_unknown(tmp, llama_source, converted):
+    return ["convert", llama_source, tmp / "out", "--calib-device", "toaster"], None, "'toaster' is not a device"
+
+
+def generate_device_unknown(tmp, llama_source, converted):
+    return ["generate", converted, "-p", "the", "--device", "toaster"], None, "'toaster' is not a device"
+
+
+def eval_device_unknown(tmp, llama_source, converted):
+    return ["eval", converted, "--device", "toaster", "--out", tmp / "eval"], None, "'toaster' is not a device"
+
+
+def eval_out_is_a_file(tmp, llama_source, converted):
+    (tmp / "results").write_text("my results\n")
+    (tmp / "text.txt").write_text(SAMPLE_TEXT)
+    return ["eval", converted, "--out", tmp / "results", "--text", tmp / "text.txt"], None, "is a file"
+
+
+def generate_temperature_nan(tmp, llama_source, converted):
+    return ["generate", converted, "-p", "the", "--temperature", "nan"], None, "--temperature must be a finite number"
+
+
+def generate_temperature_negative(tmp, llama_source, converted):
+    return ["generate", converted, "-p", "the", "--temperature", "-1"], None, "--temperature must be a finite number"
+
+
+def generate_top_p_nan(tmp, llama_source, converted):
+    return ["generate", converted, "-p", "the", "--temperature", "1", "--top-p", "nan"], None, "--top-p must be in (0, 1]"
+
+
+def generate_prompt_longer_than_the_context(tmp, llama_source, converted):
+    return ["generate", converted, "-p", "the keys " * 400], None, "context holds 512"
+
+
+def export_unknown_pre_tokenizer(tmp, llama_source, converted):
+    return ["export-gguf", converted, tmp / "x.gguf", "--pre", "nosuchpre"], None, "not a pre-tokenizer llama.cpp knows"
+
+
+def inspect_a_gguf_of_random_bytes(tmp, llama_source, converted):
+    (tmp / "random.gguf").write_bytes(bytes(range(256)) * 16)
+    return ["inspect", tmp / "random.gguf"], None, "could not read"
+
+
+def inspect_an_empty_gguf(tmp, llama_source, converted):
+    (tmp / "empty.gguf").write_bytes(b"")
+    return ["inspect", tmp / "empty.gguf"], None, "could not read"
+
+
+def recover_out_is_a_plain_source_folder(tmp, llama_source, converted):
+    (tmp / "corpus.txt").write_text(SAMPLE_TEXT * 4)
+    return ["recover", converted, "--data", tmp / "corpus.txt", "--out", _copy(llama_source, tmp / "llama"), "--max-steps", "1"], \
+        None, "was not written by mha2mla recover"
+
+
+ISSUE_29_CASES = [
+    calib_device_unknown, generate_device_unknown, eval_device_unknown, eval_out_is_a_file, generate_temperature_nan,
+    generate_temperature_negative, generate_top_p_nan, generate_prompt_longer_than_the_context,
+    export_unknown_pre_tokenizer, inspect_a_gguf_of_random_bytes, inspect_an_empty_gguf,
+    recover_out_is_a_plain_source_folder,
+]
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    """An empty MHA2MLA_CACHE inside the test's folder, so what the GGUF cache leaves is part of the snapshot."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("MHA2MLA_CACHE", str(cache))
+    return cache
+
+
+@pytest.mark.parametrize("case", ISSUE_29_CASES, ids=lambda case: case.__name__)
+def test_other_commands_refuse_with_one_sentence(case, llama_source, converted, tmp_path, private_cache, capsys, monkeypatch,
+                                                 stderr_logging):
+    args, cwd, needle = case(tmp_path, llama_source, converted)
+    before = snapshot(converted)
+    _refused(args, cwd, needle, tmp_path, capsys, monkeypatch)
+    assert snapshot(converted) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "generate", "eval"])
+def test_cuda_asked_for_on_a_machine_without_it(command, llama_source, converted, tmp_path, capsys, monkeypatch,
+                                                stderr_logging):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = {"convert": ["convert", llama_source, tmp_path / "out", "--calib-device", "cuda"],
+            "generate": ["generate", converted, "-p", "the", "--device", "cuda:1"],
+            "eval": ["eval", converted, "--device", "cuda", "--out", tmp_path / "eval"]}[command]
+    _refused(args, None, "no CUDA GPU is visible", tmp_path, capsys, monkeypatch)
+
+
+def test_generate_caps_new_tokens_at_the_context(converted, capsys, stderr_logging):
+    code, _, err = run_cli(["generate", converted, "-p", "the latent", "-n", "100000000", "--ignore-eos"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 0 and len(lines) == 1, err
+    capped = re.fullmatch(r"--max-new-tokens 100000000 capped at (\d+): the context holds (\d+) tokens and the "
+                          r"longest prompt has (\d+)\.", lines[0])
+    assert capped and int(capped[1]) + int(capped[3]) == int(capped[2]) == 512, lines[0]
+
+
+def test_generate_with_a_temperature_that_overflows_is_greedy(converted, capsys):
+    greedy = run_cli(["generate", converted, "-p", "the latent", "-n", "8", "--ignore-eos"], capsys)
+    tiny = run_cli(["generate", converted, "-p", "the latent", "-n", "8", "--ignore-eos", "--temperature", "1e-45"], capsys)
+    assert tiny[0] == 0 and tiny == greedy, tiny
+
+
+def test_ctrl_c_prints_its_one_line(llama_source, tmp_path, capsys, monkeypatch, stderr_logging):
+    import mha2mla.convert.pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mha2mla.convert.pipeline, "convert", interrupted)
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(["convert", llama_source, tmp_path / "out", "--calib", "none"], capsys)
+    assert code == 130 and err.strip().splitlines() == [
+        "error: interrupted; run the command again to finish (no partial output is kept)."], err
+    assert snapshot(tmp_path) == before
+
+
+def test_inspect_rope_line_is_text_and_names_llama3_scaling_only_for_llama3(llama_source, tmp_path, capsys):
+    code, plain, _ = run_cli(["inspect", llama_source], capsys)
+    assert code == 0 and "rope: default, theta 10000\n" in plain and "llama3" not in plain, plain
+    scaled = _copy(llama_source, tmp_path / "llama3")
+    _edit_config(scaled, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 128})
+    code, text, _ = run_cli(["inspect", scaled], capsys)
+    assert code == 0 and "rope: llama3, theta 500000, factor 8, low_freq_factor 1" in text, text
+    assert "approximated: llama3 rope scaling" in text
+
+
+class _FullDiskModel:
+    """What load_gguf_model returns, whose save writes part of a file and then finds the disk full (``error``)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 64)
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")],
+                         ids=["oserror", "safetensors"])
+def test_gguf_cache_on_a_full_disk(error, tmp_path, private_cache, capsys, monkeypatch, stderr_logging):
+    import mha2mla.io.source
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setattr(mha2mla.io.source, "load_gguf_model", lambda path, dtype=None: (_FullDiskModel(error), None))
+    source_log = logging.getLogger("mha2mla.io.source")
+    source_log.setLevel(logging.WARNING)  # the "dequantising X" progress line precedes the sentence
+    try:
+        _refused(["inspect", tmp_path / "model.gguf"], None, "No space left on device", tmp_path, capsys, monkeypatch)
+    finally:
+        source_log.setLevel(logging.NOTSET)
+
+
+def test_gguf_cache_lock_removed_when_a_gguf_does_not_load(tmp_path, private_cache, capsys, monkeypatch, stderr_logging):
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 4)  # the magic bytes, then garbage
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(["inspect", tmp_path / "broken.gguf"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: could not read"), err
+    assert all(line.startswith("dequantising broken.gguf") for line in lines[:-1]), err
+    assert snapshot(tmp_path) == before  # no lock, no staging folder, no cache folder
+
+
+def test_export_gguf_on_a_full_disk(converted, tmp_path, capsys, monkeypatch, stderr_logging):
+    import gguf
+
+    write = gguf.GGUFWriter.write_tensor_data
+    calls = []
+
+    def full_after_one_tensor(self, *args, **kwargs):  # numpy's tofile under gguf loses the errno
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError("4096 requested and 0 written")
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", full_after_one_tensor)
+    _refused(["export-gguf", converted, tmp_path / "model.gguf"], None, "No space left on device", tmp_path, capsys,
+             monkeypatch)
+    assert len(calls) == 2  # the disk filled up part-way through the file
+
+
+def test_eval_kv_bytes_row_compares_in_one_dtype(llama_source, tmp_path, capsys):
+    """A float32 source against a bfloat16 MLA model keeping 31.25% of its KV values: the row says bfloat16 and the
+    ratio is the ratio of the cached values, not of float32 bytes to bfloat16 bytes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    mla = tmp_path / "mla"
+    config = tiny_deepseek_config(kv_lora_rank=12, qk_rope_head_dim=8)  # 20 values per layer, the source caches 64
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(mla)
+    tiny_tokenizer().save_pretrained(mla)
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    code, stdout, err = run_cli(["eval", mla, "--baseline", llama_source, "--text", tmp_path / "text.txt", "--text-tokens", "64",
+                                 "--device", "cpu", "--out", tmp_path / "eval"], capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "eval" / "results.json").read_text())
+    source, converted = (next(r for r in report["models"] if r["role"] == role) for role in ("source", "model"))
+    values = converted["measurements"]["kv_cache_values_per_token"] / source["measurements"]["kv_cache_values_per_token"]
+    row = next(row for row in report["table"] if row["metric"] == "kv_cache_bytes_per_token")
+    assert row["dtype"] == "bfloat16" and source["measurements"]["kv_cache_dtype"] == "float32"
+    assert row["deltas"][converted["name"]]["ratio"] == values == 20 / 64
+    assert "| model | kv_cache_bytes_per_token (bfloat16) |" in stdout and "(×0.3125) |" in stdout, stdout
+
+
+# ---- recover: damaged checkpoints, fallback, a kill -9 inside a save, full disks --------------------------------------
+
+RUN_FLAGS = ["--seq-len", "32", "--batch-size", "2", "--lora-rank", "4", "--lr", "5e-3", "--eval-sequences", "2",
+             "--eval-every", "0", "--no-progress", "--max-steps", "6", "--save-every", "2", "--keep-checkpoints", "2"]
+
+
+@pytest.fixture(scope="module")
+def unfinished_run(tiny_mla, tmp_path_factory) -> tuple[Path, Path]:
+    """(training text, a recover run folder with checkpoints step-000002 and step-000004 and no model yet): a run
+    stopped before its export."""
+    from mha2mla.train.recipe import RecoveryRecipe
+
+    base = tmp_path_factory.mktemp("run")
+    (base / "corpus.txt").write_text(SAMPLE_TEXT * 4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RecoveryRecipe, "export", lambda self, report: None)
+        code, _, err = run_cli(["recover", tiny_mla, "--data", base / "corpus.txt", "--out", base / "run", *RUN_FLAGS],
+                               _NoCapture())
+    assert code == 0, err
+    assert sorted(p.name for p in (base / "run").glob("step-*")) == ["step-000002", "step-000004"]
+    return base / "corpus.txt", base / "run"
+
+
+class _NoCapture:
+    """capsys for run_cli outside a test (a module fixture): nothing to read."""
+
+    def readouterr(self):
+        return type("Captured", (), {"out": "", "err": ""})()
+
+
+class _Payload:
+    def __reduce__(self):  # what a malicious rng_state_0.pt would run; weights_only must refuse it unrun
+        return (os.getcwd, ())
+
+
+def _damage(run: Path, what: str) -> str:
+    """Damage the newest checkpoint as a kill -9 or a bad disk would; the file the sentence must name."""
+    import pickle
+
+    step = run / "step-000004"
+    if what == "optimizer_truncated":
+        data = (step / "optimizer.pt").read_bytes()
+        (step / "optimizer.pt").write_bytes(data[: len(data) // 2])
+        return "optimizer.pt"
+    if what == "optimizer_deleted":
+        (step / "optimizer.pt").unlink()
+        return "optimizer.pt is missing"
+    if what == "trainable_garbage":
+        (step / "trainable.safetensors").write_bytes(b"\x13garbage" * 100)
+        return "trainable.safetensors"
+    if what == "trainer_state_garbage":
+        (step / "trainer_state.json").write_text("{\"step\": 4, ")
+        return "trainer_state.json"
+    (step / "rng_state_0.pt").write_bytes(pickle.dumps(_Payload()))
+    return "rng_state_0.pt"
+
+
+DAMAGE = ["optimizer_truncated", "optimizer_deleted", "trainable_garbage", "trainer_state_garbage", "rng_pickle_payload"]
+
+
+def _run_copy(unfinished_run, tmp_path: Path) -> tuple[Path, Path]:
+    corpus, run = unfinished_run
+    return corpus, _copy(run, tmp_path / "run")
+
+
+@pytest.mark.parametrize("what", DAMAGE)
+def test_resuming_a_damaged_checkpoint_names_it(what, unfinished_run, tiny_mla, tmp_path, capsys, monkeypatch,
+                                                stderr_logging):
+    corpus, run = _run_copy(unfinished_run, tmp_path)
+    needle = _damage(run, what)
+    args = ["recover", tiny_mla, "--data", corpus, "--out", run, *RUN_FLAGS, "--resume", run / "step-000004"]
+    _refused(args, None, needle, tmp_path, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("what", DAMAGE)
+def test_resume_auto_falls_back_to_the_newest_complete_checkpoint(what, unfinished_run, tiny_mla, tmp_path, capsys,
+                                                                  stderr_logging):
+    corpus, run = _run_copy(unfinished_run, tmp_path)
+    needle = _damage(run, what)
+    code, _, err = run_cli(["recover", tiny_mla, "--data", corpus, "--out", run, *RUN_FLAGS, "--resume", "auto"], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    warning = next(line for line in err.splitlines() if "is damaged" in line)
+    assert "step-000004" in warning and needle in warning and warning.endswith("resuming from step-000002 instead.")
+    report = json.loads((run / "recovery_report.json").read_text())
+    assert report["steps"] == 6 and Path(report["resumed_from"]).name == "step-000002"
+
+
+def test_resume_auto_with_every_checkpoint_damaged(unfinished_run, tiny_mla, tmp_path, capsys, monkeypatch,
+                                                   stderr_logging):
+    corpus, run = _run_copy(unfinished_run, tmp_path)
+    for step in ("step-000002", "step-000004"):
+        (run / step / "optimizer.pt").write_bytes(b"")
+    args = ["recover", tiny_mla, "--data", corpus, "--out", run, *RUN_FLAGS, "--resume", "auto"]
+    _refused(args, None, "every checkpoint in", tmp_path, capsys, monkeypatch)
+
+
+def test_resume_with_damaged_run_settings(unfinished_run, tiny_mla, tmp_path, capsys, monkeypatch, stderr_logging):
+    corpus, run = _run_copy(unfinished_run, tmp_path)
+    (run / "recover_config.json").write_text("\0\0garbage")
+    args = ["recover", tiny_mla, "--data", corpus, "--out", run, *RUN_FLAGS, "--resume", "auto"]
+    _refused(args, None, "recover_config.json is damaged", tmp_path, capsys, monkeypatch)
+
+
+def test_kill_9_inside_a_checkpoint_save_then_resume_auto(unfinished_run, tiny_mla, tmp_path):
+    """The run is held inside its step-4 save (checkpoint.HOLD_ENV, half its files written) and killed there: step 2
+    stays complete, and --resume auto finishes the run from it."""
+    from mha2mla.train.checkpoint import HOLD_ENV, load_checkpoint
+
+    corpus, _ = unfinished_run
+    run = tmp_path / "run"
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), HOLD_ENV: "4"}
+    command = [sys.executable, "-m", "mha2mla.cli.main", "recover", str(tiny_mla), "--data", str(corpus), "--out",
+               str(run), *RUN_FLAGS]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not list(run.glob(".step-000004.mha2mla-tmp.*/HELD")) and process.poll() is None:
+            time.sleep(0.05)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == -9, "the run ended before it reached its step-4 save"
+    assert not (run / "step-000004").exists()
+    assert load_checkpoint(run / "step-000002")["state"]["step"] == 2  # every file of the previous one reads back
+
+    del env[HOLD_ENV]
+    resumed = subprocess.run([*command, "--resume", "auto"], env=env, capture_output=True, text=True, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    report = json.loads((run / "recovery_report.json").read_text())
+    assert report["steps"] == 6 and Path(report["resumed_from"]).name == "step-000002"
+    assert not [p.name for p in run.iterdir() if ".mha2mla-" in p.name]  # the killed save's staging folder is gone
+
+
+def _full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_recover_checkpoint_save_on_a_full_disk(tiny_mla, tmp_path, capsys, monkeypatch, stderr_logging):
+    import mha2mla.train.checkpoint
+
+    (tmp_path / "corpus.txt").write_text(SAMPLE_TEXT * 4)
+    monkeypatch.setattr(mha2mla.train.checkpoint, "_write_synced", _full_disk)
+    run = tmp_path / "run"
+    code, _, err = run_cli(["recover", tiny_mla, "--data", tmp_path / "corpus.txt", "--out", run, *RUN_FLAGS], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: could not write"), err
+    assert "No space left on device" in lines[-1] and "step-000002" in lines[-1]
+    assert sorted(p.name for p in run.iterdir()) == ["recover_config.json", "train_log.jsonl"]  # no staging folder
+
+
+def test_recover_export_on_a_full_disk(tiny_mla, tmp_path, capsys, monkeypatch, stderr_logging):
+    import mha2mla.train.export
+
+    def full_while_writing(folder, *args, **kwargs):  # safetensors reports a full disk only in its message
+        (Path(folder) / "absorbed.safetensors").write_bytes(b"\0" * 64)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    (tmp_path / "corpus.txt").write_text(SAMPLE_TEXT * 4)
+    monkeypatch.setattr(mha2mla.train.export, "write_absorbed", full_while_writing)
+    run = tmp_path / "run"
+    code, _, err = run_cli(["recover", tiny_mla, "--data", tmp_path / "corpus.txt", "--out", run, *RUN_FLAGS], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: could not write"), err
+    assert "No space left on device" in lines[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "run"]  # no staging folder beside the run
+    assert not (run / "config.json").exists() and (run / "step-000004").is_dir()  # the run's checkpoints are kept
+
+
+@pytest.mark.parametrize("text", ["recover:\n  data: [a, b\n", "source: x\n  bad: indent\n", "key: 'unclosed\n"])
+def test_yaml_error_is_one_sentence(text, tmp_path):
+    import yaml
+
+    from mha2mla.io.recipe_errors import yaml_error_sentence
+
+    with pytest.raises(yaml.YAMLError) as error:
+        yaml.safe_load(text)
+    sentence = yaml_error_sentence(tmp_path / "r.yaml", error.value)
+    assert "\n" not in sentence and re.search(r"is not valid YAML \(line \d+, column \d+: \w", sentence), sentence
+
+
+def test_convert_recipe_that_is_not_yaml(llama_source, tmp_path, capsys, monkeypatch, stderr_logging):
+    (tmp_path / "recipe.yaml").write_text("source: x\nconvert:\n  kv_budget: [0.25\n  dtype: bfloat16\n")
+    _refused(["convert", llama_source, tmp_path / "out", "--recipe", tmp_path / "recipe.yaml"], None, "not valid YAML (line",
+             tmp_path, capsys, monkeypatch)

@@ -26,6 +26,7 @@ from mha2mla.convert.calibration.memory import calibration_batch, check_budget, 
 from mha2mla.convert.output.target_config import deepseek_config_object
 from mha2mla.convert.plan.resolve import ConversionPlan
 from mha2mla.convert.source import SourceReader
+from mha2mla.devices import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class CalibrationStream:
                  on_disk: bool = False):
         plan = reader.plan
         self.reader, self.plan = reader, plan
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(resolve_device(device, "--calib-device"))
         self.batch_size = batch_size or (calibration_batch(plan) if plan.calibration is not None else 8)
         self.on_disk = on_disk and self.device.type == "cpu"
         self.modules = _modules(reader.ckpt.config, plan)
