@@ -34,7 +34,7 @@ def convert_command(
 ) -> None:
     """Convert an MHA/GQA model into a native DeepSeek-V3 MLA checkpoint plus absorbed inference weights.
 
-    Calibrated on the bundled sample unless --calib says otherwise (the best method measured)."""
+    Calibrated on the bundled sample unless --calib says otherwise (the best method: docs/benchmarks.md)."""
     from mha2mla import UserError
 
     if out is None:  # `mha2mla convert --recipe R OUT`: the one argument is OUT

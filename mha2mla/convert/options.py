@@ -18,7 +18,7 @@ CALIBRATION_KEYS = ("calib_samples", "calib_seq_len", "calib_device", "max_memor
 
 class ConvertOptions(BaseModel):
     """Unknown keys are rejected (typos in recipes fail loudly). The methods are not options: the plan picks the
-    measured best with calibration, or the weight-only path with ``calib=None`` (``--calib none``)."""
+    best method with calibration (docs/benchmarks.md), or the weight-only path with ``calib=None`` (``--calib none``)."""
 
     model_config = ConfigDict(extra="forbid")
 

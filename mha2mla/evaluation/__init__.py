@@ -1,5 +1,5 @@
 """Evaluation: lm-evaluation-harness tasks (hub and bundled offline ones), token perplexity of text files,
-measured KV-cache size, reports.
+the KV-cache size a model really allocates, reports.
 
 Library first: ``evaluate_model(model, tokenizer, tasks)`` works on any causal LM in memory, ``run_eval(EvalConfig(...))``
 is what ``mha2mla eval`` calls. Everything but ``EvalConfig`` loads on first use, so reading the settings (a recipe,

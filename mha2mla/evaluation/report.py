@@ -41,7 +41,7 @@ def table_metrics(task_metrics: dict) -> list[str]:
     return [m for m in task_metrics if not m.endswith("_stderr") and "_stderr," not in m]
 
 
-# bytes per value of the dtypes a KV cache is measured in
+# bytes per value of the dtypes a KV cache is counted in
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 

@@ -21,7 +21,7 @@ import torch
 from mha2mla import UserError, __version__
 from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.export.vocab import check_pre_tokenizer, read_vocab
-from mha2mla.io.output import check_file_destination, staged_file
+from mha2mla.io.output_file import check_file_destination, staged_file
 from mha2mla.io.reader import LazyCheckpoint
 
 log = logging.getLogger(__name__)

@@ -94,12 +94,20 @@ def is_ours(folder: Path) -> bool:
     return any((Path(folder) / marker).is_file() for marker in MARKERS)
 
 
-def _read_only(path: Path) -> bool:
+def first_existing(target: Path) -> Path:
+    """``target`` or its nearest ancestor that exists."""
+    parent = target
+    while not parent.exists():
+        parent = parent.parent
+    return parent
+
+
+def read_only(path: Path) -> bool:
     """No write permission, or no write bit at all (what a user means by read-only, also when running as root)."""
     return not os.access(path, os.W_OK) or not path.stat().st_mode & 0o222
 
 
-def _is_within(path: Path, folder: Path) -> bool:
+def is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
@@ -116,6 +124,15 @@ def _check_inputs(out: Path, target: Path, inputs: Iterable[tuple[str, str | Pat
             raise UserError(f"{name} {out} lies inside {label} ({given}); choose an {name} outside it.")
 
 
+def check_parent(out: Path, target: Path, name: str) -> None:
+    """Refuse an ``out`` whose nearest existing ancestor is a file or cannot be written."""
+    parent = first_existing(target.parent)
+    if not parent.is_dir():
+        raise UserError(f"{parent} is a file, so {name} {out} cannot be created there; choose another {name}.")
+    if read_only(parent):
+        raise UserError(f"cannot write into {parent} (no write permission); choose an {name} in a folder you can write to.")
+
+
 def check_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]] = (), *, name: str = "OUT") -> None:
     """Refuse an OUT that can never be written safely. ``inputs``: (label, path) pairs of what the command reads."""
     out = Path(out)
@@ -127,19 +144,13 @@ def check_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | 
         cwd = Path.cwd().resolve()
     except OSError:  # the current folder was deleted
         cwd = None
-    if cwd is not None and _is_within(cwd, target):
+    if cwd is not None and is_within(cwd, target):
         raise UserError(f"{name} {out} is the current folder or one above it; give a new folder, e.g. ./{target.name or 'model'}-mla.")
     if out.exists() and not out.is_dir():
         raise UserError(f"{name} {out} is a file; give a folder path.")
-    if out.is_dir() and _read_only(out):
+    if out.is_dir() and read_only(out):
         raise UserError(f"{name} {out} is read-only; make it writable (chmod u+w) or choose another {name}.")
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"{parent} is a file, so {name} {out} cannot be created there; choose another {name}.")
-    if _read_only(parent):
-        raise UserError(f"cannot write into {parent} (no write permission); choose an {name} in a folder you can write to.")
+    check_parent(out, target, name)
 
 
 def check_replaceable(out: str | Path, force: bool, *, name: str = "OUT") -> None:
@@ -195,7 +206,16 @@ def _swap(new: Path, out: Path, carry: bool, name: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _make_parents(folder: Path) -> list[Path]:
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders :func:`make_parents` made (innermost first) while they are empty."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def make_parents(folder: Path) -> list[Path]:
     """mkdir -p ``folder``; the folders it made, outermost first."""
     missing = [path for path in (folder, *folder.parents) if not path.exists()][::-1]
     folder.mkdir(parents=True, exist_ok=True)
@@ -242,7 +262,7 @@ def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, 
     existing ``out`` (a recover run folder) move into the new folder. Call :func:`check_destination` first."""
     out = Path(out)
     with write_errors(out):
-        made = _make_parents(out.parent)
+        made = make_parents(out.parent)
     staging = staging_path(out)
     try:
         with write_errors(out):
@@ -256,19 +276,8 @@ def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, 
             _swap(staging, out, carry, name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        for folder in reversed(made):
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_made(made)
         raise
-
-
-def _first_existing(target: Path) -> Path:
-    parent = target
-    while not parent.exists():
-        parent = parent.parent
-    return parent
 
 
 def check_results_folder(out: str | Path, what: str, *, name: str = "--out") -> None:
@@ -279,78 +288,9 @@ def check_results_folder(out: str | Path, what: str, *, name: str = "--out") -> 
     target = out.expanduser().resolve()
     if target.exists() and not target.is_dir():
         raise UserError(f"{name} {out} is a file; give a folder to write {what} into.")
-    existing = _first_existing(target)
+    existing = first_existing(target)
     if not existing.is_dir():
         raise UserError(f"{existing} is a file, so {name} {out} cannot be created there; choose another {name}.")
-    if _read_only(existing):
+    if read_only(existing):
         where = f"{name} {out} is read-only" if existing == target else f"cannot write into {existing} (no write permission)"
         raise UserError(f"{where}; choose a {name} you can write to.")
-
-
-# ---- single-file outputs (export-gguf) ---------------------------------------------------------------------------
-
-def check_file_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]], *, force: bool,
-                           is_ours_file, kind: str, name: str = "OUT") -> None:
-    """Refuse a file OUT that cannot be written safely, with the folder rules of :func:`check_destination`.
-
-    OUT is never a link, a folder, an input or inside one; it lies in a folder that can be written; an existing OUT
-    is replaced only with ``force`` and only when ``is_ours_file(OUT)`` says mha2mla wrote it (``kind`` names it)."""
-    out = Path(out)
-    if out.is_symlink():
-        raise UserError(f"{name} {out} is a symbolic link; give a new file path.")
-    if out.is_dir():
-        raise UserError(f"{name} {out} is a folder; give the path of the {kind} file to write.")
-    target = out.expanduser().resolve()
-    for label, given in inputs:
-        if given is None or not Path(given).expanduser().exists():
-            continue
-        path = Path(given).expanduser().resolve()
-        if _is_within(target, path):
-            raise UserError(f"{name} {out} lies inside {label} ({given}); write the {kind} outside it.")
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"{parent} is a file, so {name} {out} cannot be created there; choose another {name}.")
-    if _read_only(parent):
-        raise UserError(f"cannot write into {parent} (no write permission); choose an {name} in a folder you can write to.")
-    if out.exists():
-        if not is_ours_file(out):
-            raise UserError(f"{name} {out} exists and is not a {kind} written by mha2mla; choose another {name} "
-                            f"(--force replaces only mha2mla's own {kind} files).")
-        if not force:
-            raise UserError(f"{name} {out} holds an earlier mha2mla {kind}; pass --force to replace it or choose another {name}.")
-        if _read_only(out):
-            raise UserError(f"{name} {out} is read-only; make it writable (chmod u+w) or choose another {name}.")
-
-
-@contextmanager
-def staged_file(out: str | Path) -> Iterator[Path]:
-    """A hidden sibling path of ``out`` to write into; on a clean exit it is renamed to ``out`` (atomic on one file
-    system) with the user's umask permissions, on any error it is removed with the parent folders made for it.
-    Call :func:`check_file_destination` first. A full disk or a permission error is one sentence."""
-    out = Path(out)
-    with write_errors(out):
-        made = _make_parents(out.parent)
-    staging = staging_path(out)
-    try:
-        with write_errors(out):
-            remove_stale(out.parent)
-            yield staging
-            with open(staging, "rb+") as handle:
-                os.fsync(handle.fileno())
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(staging, 0o666 & ~umask)
-            if out.is_symlink() or out.is_dir():
-                raise UserError(f"OUT {out} became a link or a folder while mha2mla wrote; nothing was replaced.")
-            os.replace(staging, out)
-    except BaseException:
-        if os.path.lexists(staging):
-            staging.unlink()
-        for folder in reversed(made):
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        raise

@@ -1,0 +1,79 @@
+"""Where mha2mla writes a single file (``export-gguf``'s OUT), with the rules of io/output.py for folders: OUT is never
+a link, a folder, an input or inside one, and lies in a folder that can be written; an existing OUT is replaced only
+with --force and only when mha2mla wrote it; the file is written under a hidden sibling name, fsynced and renamed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mha2mla import UserError
+from mha2mla.io.output import (
+    check_parent,
+    is_within,
+    make_parents,
+    read_only,
+    remove_made,
+    remove_stale,
+    staging_path,
+    write_errors,
+)
+
+
+def check_file_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]], *, force: bool,
+                           is_ours_file, kind: str, name: str = "OUT") -> None:
+    """Refuse a file OUT that cannot be written safely, with the folder rules of :func:`check_destination`.
+
+    OUT is never a link, a folder, an input or inside one; it lies in a folder that can be written; an existing OUT
+    is replaced only with ``force`` and only when ``is_ours_file(OUT)`` says mha2mla wrote it (``kind`` names it)."""
+    out = Path(out)
+    if out.is_symlink():
+        raise UserError(f"{name} {out} is a symbolic link; give a new file path.")
+    if out.is_dir():
+        raise UserError(f"{name} {out} is a folder; give the path of the {kind} file to write.")
+    target = out.expanduser().resolve()
+    for label, given in inputs:
+        if given is None or not Path(given).expanduser().exists():
+            continue
+        path = Path(given).expanduser().resolve()
+        if is_within(target, path):
+            raise UserError(f"{name} {out} lies inside {label} ({given}); write the {kind} outside it.")
+    check_parent(out, target, name)
+    if out.exists():
+        if not is_ours_file(out):
+            raise UserError(f"{name} {out} exists and is not a {kind} written by mha2mla; choose another {name} "
+                            f"(--force replaces only mha2mla's own {kind} files).")
+        if not force:
+            raise UserError(f"{name} {out} holds an earlier mha2mla {kind}; pass --force to replace it or choose another {name}.")
+        if read_only(out):
+            raise UserError(f"{name} {out} is read-only; make it writable (chmod u+w) or choose another {name}.")
+
+
+@contextmanager
+def staged_file(out: str | Path) -> Iterator[Path]:
+    """A hidden sibling path of ``out`` to write into; on a clean exit it is renamed to ``out`` (atomic on one file
+    system) with the user's umask permissions, on any error it is removed with the parent folders made for it.
+    Call :func:`check_file_destination` first. A full disk or a permission error is one sentence."""
+    out = Path(out)
+    with write_errors(out):
+        made = make_parents(out.parent)
+    staging = staging_path(out)
+    try:
+        with write_errors(out):
+            remove_stale(out.parent)
+            yield staging
+            with open(staging, "rb+") as handle:
+                os.fsync(handle.fileno())
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(staging, 0o666 & ~umask)
+            if out.is_symlink() or out.is_dir():
+                raise UserError(f"OUT {out} became a link or a folder while mha2mla wrote; nothing was replaced.")
+            os.replace(staging, out)
+    except BaseException:
+        if os.path.lexists(staging):
+            staging.unlink()
+        remove_made(made)
+        raise
