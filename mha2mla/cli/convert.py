@@ -55,11 +55,12 @@ def convert_command(
     if not dry_run:
         check_destination(out, [("the source model", source)])
         check_replaceable(out, force)
+    from mha2mla.convert.engines import serving_command
     from mha2mla.convert.pipeline import convert
     from mha2mla.convert.plan import format_plan
 
     result = convert(source, out, options, force=force, dry_run=dry_run, progress=progress)
-    typer.echo(format_plan(result.plan))
+    typer.echo(format_plan(result.plan) + "".join(f"\n{line}" for line in serving_command(result.plan, str(out))))
     if result.plan.calibration is not None:
         from mha2mla.convert.memory import layer_memory
 

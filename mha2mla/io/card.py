@@ -13,6 +13,14 @@ import yaml
 from gguf import GGUFReader
 from huggingface_hub import try_to_load_from_cache
 
+from mha2mla.convert.engines import (
+    ENGINES,
+    VLLM_CPU,
+    VLLM_CPU_BACKENDS,
+    VLLM_CPU_COMPILATION_CONFIG,
+    VLLM_CPU_ROTARY_REASON,
+    vllm_cpu_problems,
+)
 from mha2mla.io.cache import DEFAULT_MODEL_FILE, DEFAULT_MODEL_REPO
 
 HUB_URL = re.compile(r"^https?://(?:huggingface\.co|hf\.co)/(?P<repo>[\w.-]+/[\w.-]+)")
@@ -89,6 +97,29 @@ def _source_line(meta: dict) -> str:
     return described
 
 
+def _vllm_section(plan: dict) -> list[str]:
+    """How to serve a `--target vllm` output: the GPU command, and on a CPU the rotary workaround and why."""
+    cpu_flags = f" --compilation-config '{VLLM_CPU_COMPILATION_CONFIG}'"
+    cpu_kwargs = f"compilation_config={VLLM_CPU_COMPILATION_CONFIG}"
+    if plan["dtype"] not in VLLM_CPU_BACKENDS["AMX_MLA"].dtypes:  # AMX_MLA, vLLM's choice on AMX CPUs, is bf16 only
+        cpu_flags += " --attention-backend CPU_MLA"
+        cpu_kwargs += ', attention_config={"backend": "CPU_MLA"}'
+    lines = [
+        "## Serve with vLLM", "",
+        "```bash",
+        f"vllm serve <this folder>   # GPU: vLLM {ENGINES['vllm'].version}'s rules, read from its source, not run",
+        f"vllm serve <this folder> --enforce-eager{cpu_flags}   # CPU: {VLLM_CPU}, run",
+        "```", "",
+        "```python",
+        "from vllm import LLM",
+        f'llm = LLM("<this folder>", enforce_eager=True, {cpu_kwargs})  # CPU',
+        "```", "",
+        f"On a CPU the flag is required: {VLLM_CPU_ROTARY_REASON}. With it vLLM's PyTorch rope runs and vLLM's "
+        "output equals transformers'. Whether vLLM's GPU rotary kernel handles those views was not checked.",
+    ]
+    return lines + [f"Note: {p}." for p in vllm_cpu_problems(plan["kv_lora_rank"], plan["rope_dim"], plan["dtype"])]
+
+
 def write_model_card(folder: str | Path, report: dict, extra_sections: list[str] | None = None) -> None:
     plan = report["plan"]
     shape = plan["shape"]
@@ -130,6 +161,8 @@ def write_model_card(folder: str | Path, report: dict, extra_sections: list[str]
     ]
     if report.get("dropped_biases"):
         lines.append(f"- Source biases not carried (portable profile): {', '.join(report['dropped_biases'])}.")
+    if plan.get("target") == "vllm":
+        lines += ["", *_vllm_section(plan)]
     lines += ["", "## Command", "", "```", report.get("command", ""), "```", ""]
     for section in extra_sections or []:
         lines += [section, ""]
