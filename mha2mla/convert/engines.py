@@ -195,6 +195,10 @@ VLLM_CPU_BACKENDS: dict[str, CpuBackend] = {
 # model_executor/layers/mla.py (lines 227-229 in 0.32.0) hands it strided 3-D views of q and of the latent
 # projection. Turning the custom op off makes vLLM use its PyTorch rope, which equals transformers.
 VLLM_CPU_COMPILATION_CONFIG = '{"custom_ops": ["-rotary_embedding"]}'
+# The `vllm` command of vllm-cpu 0.32.0 stops before parsing anything: vllm/entrypoints/cli/main.py (line 99) asks
+# importlib.metadata for the version of a distribution named "vllm", and this one is named "vllm-cpu". The module
+# entry point starts the same OpenAI-compatible server with the same flags.
+VLLM_CPU_SERVER = "python -m vllm.entrypoints.openai.api_server --model"
 VLLM_CPU_ROTARY_REASON = (f"{VLLM_CPU}'s compiled CPU rotary op mis-rotates the strided views that "
                           "model_executor/layers/mla.py (lines 227-229) passes it; without the flag its output differs "
                           "from transformers (docs/engines.md)")
@@ -224,7 +228,7 @@ def serving_command(plan, folder: str = "OUT") -> list[str]:
     if get("target") != "vllm":
         return []
     dtype, folder = get("dtype"), shlex.quote(folder)
-    cpu = f"vllm serve {folder} --enforce-eager --compilation-config '{VLLM_CPU_COMPILATION_CONFIG}'"
+    cpu = f"{VLLM_CPU_SERVER} {folder} --enforce-eager --compilation-config '{VLLM_CPU_COMPILATION_CONFIG}'"
     if dtype not in VLLM_CPU_BACKENDS["AMX_MLA"].dtypes:
         cpu += " --attention-backend CPU_MLA"
     lines = [f"serve on a GPU (vLLM {ENGINES['vllm'].version}, source reading): vllm serve {folder}",

@@ -19,6 +19,7 @@ from mha2mla.convert.engines import (
     VLLM_CPU_BACKENDS,
     VLLM_CPU_COMPILATION_CONFIG,
     VLLM_CPU_ROTARY_REASON,
+    VLLM_CPU_SERVER,
     vllm_cpu_problems,
 )
 from mha2mla.io.cache import DEFAULT_MODEL_FILE, DEFAULT_MODEL_REPO
@@ -108,14 +109,17 @@ def _vllm_section(plan: dict) -> list[str]:
         "## Serve with vLLM", "",
         "```bash",
         f"vllm serve <this folder>   # GPU: vLLM {ENGINES['vllm'].version}'s rules, read from its source, not run",
-        f"vllm serve <this folder> --enforce-eager{cpu_flags}   # CPU: {VLLM_CPU}, run",
+        f"{VLLM_CPU_SERVER} <this folder> --enforce-eager{cpu_flags}   # CPU: {VLLM_CPU}, run",
         "```", "",
         "```python",
         "from vllm import LLM",
         f'llm = LLM("<this folder>", enforce_eager=True, {cpu_kwargs})  # CPU',
         "```", "",
         f"On a CPU the flag is required: {VLLM_CPU_ROTARY_REASON}. With it vLLM's PyTorch rope runs and vLLM's "
-        "output equals transformers'. Whether vLLM's GPU rotary kernel handles those views was not checked.",
+        "output equals transformers' (float32). vLLM's GPU path is believed unaffected (its CUDA rotary op reads the "
+        "views' strides), but that was read, not run. "
+        f"`vllm serve` itself does not start with {VLLM_CPU} (it looks up a distribution named vllm, this one is "
+        "vllm-cpu); the module above is the same server.",
     ]
     return lines + [f"Note: {p}." for p in vllm_cpu_problems(plan["kv_lora_rank"], plan["rope_dim"], plan["dtype"])]
 
