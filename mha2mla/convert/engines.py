@@ -201,7 +201,7 @@ VLLM_CPU_COMPILATION_CONFIG = '{"custom_ops": ["-rotary_embedding"]}'
 VLLM_CPU_SERVER = "python -m vllm.entrypoints.openai.api_server --model"
 VLLM_CPU_ROTARY_REASON = (f"{VLLM_CPU}'s compiled CPU rotary op mis-rotates the strided views that "
                           "model_executor/layers/mla.py (lines 227-229) passes it; without the flag its output differs "
-                          "from transformers (docs/engines.md)")
+                          "from transformers (mha2mla's docs/engines.md)")
 
 
 def vllm_cpu_backend(dtype: str, amx: bool) -> CpuBackend:
@@ -216,7 +216,8 @@ def vllm_cpu_problems(kv_lora_rank: int, rope_dim: int, dtype: str) -> list[str]
     width = kv_lora_rank + rope_dim
     if not any(width in b.cache_widths and dtype in b.dtypes for b in VLLM_CPU_BACKENDS.values()):
         return [f"{VLLM_CPU}'s CPU MLA backends decode only kv_lora_rank + qk_rope_head_dim = 576, not {width}: "
-                "serve this output on a GPU, or convert with --kv-lora-rank 512 --rope-dim 64 to serve it on a CPU"]
+                "serve this output on a GPU, or, where the source has the room, convert with --kv-lora-rank 512 --rope-dim 64 "
+                "to serve it on a CPU"]
     return []
 
 

