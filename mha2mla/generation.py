@@ -15,8 +15,8 @@ class GenerateConfig(BaseModel):
 
     prompt: list[str] = Field(min_length=1, description="prompt text; repeat for a batch")
     max_new_tokens: int = Field(64, ge=1, description="tokens to generate per prompt")
-    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (with a temperature above 0)")
+    temperature: float = Field(0.0, ge=0, allow_inf_nan=False, description="sampling temperature; 0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass (with a temperature above 0)")
     seed: int | None = Field(None, description="seed for sampling")
     device: str = Field("cpu", description="device: cpu or cuda[:N]")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(

@@ -460,15 +460,15 @@ def eval_out_is_a_file(tmp, llama_source, converted):
 
 
 def generate_temperature_nan(tmp, llama_source, converted):
-    return ["generate", converted, "-p", "the", "--temperature", "nan"], None, "--temperature must be a finite number"
+    return ["generate", converted, "-p", "the", "--temperature", "nan"], None, "invalid --temperature: input should be a finite number"
 
 
 def generate_temperature_negative(tmp, llama_source, converted):
-    return ["generate", converted, "-p", "the", "--temperature", "-1"], None, "--temperature must be a finite number"
+    return ["generate", converted, "-p", "the", "--temperature", "-1"], None, "invalid --temperature: input should be greater than or equal to 0"
 
 
 def generate_top_p_nan(tmp, llama_source, converted):
-    return ["generate", converted, "-p", "the", "--temperature", "1", "--top-p", "nan"], None, "--top-p must be in (0, 1]"
+    return ["generate", converted, "-p", "the", "--temperature", "1", "--top-p", "nan"], None, "invalid --top-p: input should be a finite number"
 
 
 def generate_prompt_longer_than_the_context(tmp, llama_source, converted):
