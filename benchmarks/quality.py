@@ -82,7 +82,7 @@ def source_statistics(source: Path, options, profile: str) -> list:
     from mha2mla.convert.calibration.measure import measure
     from mha2mla.convert.calibration.stream import calibration_stream
     from mha2mla.convert.plan.resolve import make_plan
-    from mha2mla.convert.source import SourceReader
+    from mha2mla.convert.source_reader import SourceReader
     from mha2mla.families import family_for_config
     from mha2mla.io.source import open_source
 

@@ -31,8 +31,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from mha2mla.train import LoraSettings, RecoverConfig, recover  # noqa: E402
 from mha2mla.train.data import build_packed  # noqa: E402
+from mha2mla.train.evaluate import packed_perplexity  # noqa: E402
 from mha2mla.train.model import load_teacher  # noqa: E402
-from mha2mla.train.recipe import packed_perplexity  # noqa: E402
 from scripts import assets  # noqa: E402
 
 TRAIN_FRACTION = 0.30

@@ -5,7 +5,7 @@
 
 LoRA of the same rank on q_proj/kv_a_proj_with_mqa/kv_b_proj/o_proj (converted; kv_a_layernorm trainable as in
 `mha2mla recover`) and on q_proj/k_proj/v_proj/o_proj (source). Each timed step is `mha2mla recover`'s own
-``RecoveryRecipe.train_step`` (forward, LM loss, backward, gradient clipping, AdamW, scheduler; no teacher), on
+``RecoveryRun.train_step`` (forward, LM loss, backward, gradient clipping, AdamW, scheduler; no teacher), on
 the same packed rows of real text; the two models alternate step by step so both see the same machine load.
 Prints JSON and a Markdown table.
 """
@@ -29,11 +29,11 @@ import torch  # noqa: E402
 from mha2mla.train import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig  # noqa: E402
 from mha2mla.train.data import pack_token_lists  # noqa: E402
 from mha2mla.train.model import load_student, load_teacher, load_tokenizer, make_trainable  # noqa: E402
-from mha2mla.train.recipe import RecoveryRecipe  # noqa: E402
+from mha2mla.train.run import RecoveryRun  # noqa: E402
 from scripts import assets  # noqa: E402
 
 
-def timed_step(recipe: RecoveryRecipe, batch: dict[str, torch.Tensor]) -> float:
+def timed_step(recipe: RecoveryRun, batch: dict[str, torch.Tensor]) -> float:
     """Seconds of one ``train_step`` (the GPU is synchronised on both sides)."""
     cuda = recipe.accelerator.device.type == "cuda"
     if cuda:
@@ -79,7 +79,7 @@ def main() -> None:
         ("converted (MLA)", lambda: load_student(args.converted, args.attn_implementation), MLA_LORA_TARGETS),
         ("source (MHA/GQA)", lambda: load_teacher(source, args.attn_implementation), SOURCE_LORA_TARGETS),
     ):
-        recipe = RecoveryRecipe(config, show_progress=False)
+        recipe = RecoveryRun(config, show_progress=False)
         recipe.setup_training(make_trainable(loader(), config.lora.model_copy(update={"targets": targets})))
         recipe.model.train()
         trainable, total = recipe.parameter_counts

@@ -35,7 +35,7 @@ from mha2mla.convert.output.target_config import deepseek_config
 from mha2mla.convert.plan.engines import engine_violations
 from mha2mla.convert.plan.methods import Methods
 from mha2mla.convert.plan.resolve import ConversionPlan, make_plan
-from mha2mla.convert.source import SourceReader
+from mha2mla.convert.source_reader import SourceReader
 from mha2mla.convert.steps.attention import convert_attention
 from mha2mla.convert.steps.records import LayerStatistics, LayerWork
 from mha2mla.devices import check_device

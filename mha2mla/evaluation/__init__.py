@@ -13,7 +13,7 @@ import importlib
 from mha2mla.evaluation.config import EvalConfig
 
 _LAZY = {
-    "evaluate_loaded": "compare", "run_eval": "compare",
+    "evaluate_loaded": "run", "run_eval": "run",
     "evaluate_model": "harness",
     "LoadedModel": "loading", "load_model": "loading",
     "forward_throughput": "measure", "kv_cache_size": "measure", "parameter_counts": "measure",

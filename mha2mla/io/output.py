@@ -1,7 +1,7 @@
 """Where mha2mla writes a model folder, and how, so that a user's files are never lost.
 
 The one implementation behind every output folder: ``convert``'s OUT (mha2mla/convert/pipeline.py) and
-``recover``'s --out (mha2mla/train/export.py); the GGUF cache (mha2mla/io/source.py) uses its staging names.
+``recover``'s --out (mha2mla/train/merge.py); the GGUF cache (mha2mla/io/source.py) uses its staging names.
 
 - OUT is never a symbolic link or a file, never an input (the source model, or a folder holding it), never the
   current folder or one above it, and it lies in a folder that can be written. A folder the user made read-only
@@ -255,15 +255,20 @@ def write_errors(out: Path) -> Iterator[None]:
         raise UserError(f"could not write {where} ({os.strerror(code)}); {_WRITE_HINTS[code]}.") from error
 
 
+def staging_for(out: Path) -> tuple[list[Path], Path]:
+    """The parent folders made for ``out`` (to remove on failure) and a fresh staging name next to it."""
+    with write_errors(out):
+        made = make_parents(out.parent)
+    return made, staging_path(out)
+
+
 @contextmanager
 def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, name: str = "OUT") -> Iterator[Path]:
     """An empty folder next to ``out`` to write the new output into; on a clean exit it replaces ``out`` (see the
     module docstring), on an error it is removed with any parent folders made for it. ``carry``: the entries of an
     existing ``out`` (a recover run folder) move into the new folder. Call :func:`check_destination` first."""
     out = Path(out)
-    with write_errors(out):
-        made = make_parents(out.parent)
-    staging = staging_path(out)
+    made, staging = staging_for(out)
     try:
         with write_errors(out):
             remove_stale(out.parent)

@@ -10,16 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.output import (
-    check_parent,
-    is_within,
-    make_parents,
-    read_only,
-    remove_made,
-    remove_stale,
-    staging_path,
-    write_errors,
-)
+from mha2mla.io.output import check_parent, is_within, read_only, remove_made, remove_stale, staging_for, write_errors
 
 
 def check_file_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]], *, force: bool,
@@ -57,9 +48,7 @@ def staged_file(out: str | Path) -> Iterator[Path]:
     system) with the user's umask permissions, on any error it is removed with the parent folders made for it.
     Call :func:`check_file_destination` first. A full disk or a permission error is one sentence."""
     out = Path(out)
-    with write_errors(out):
-        made = make_parents(out.parent)
-    staging = staging_path(out)
+    made, staging = staging_for(out)
     try:
         with write_errors(out):
             remove_stale(out.parent)

@@ -1,10 +1,10 @@
 """Recovery fine-tuning of converted MLA models: ``recover(RecoverConfig(...))``.
 
 config (settings, LoRA settings), data (tokenizing + packing), model (student/teacher, LoRA), losses,
-checkpoint (resumable state), recipe (``RecoveryRecipe``: setup, train step, evaluation, checkpoints),
+checkpoint (resumable state), recipe (``RecoveryRun``: setup, train step, evaluation, checkpoints),
 trainer (``recover``, which runs the recipe), export (merge and write the native checkpoint).
 
-``recover`` and ``RecoveryRecipe`` load on first use, so reading the settings (``mha2mla recover --help``)
+``recover`` and ``RecoveryRun`` load on first use, so reading the settings (``mha2mla recover --help``)
 does not import torch, accelerate and peft."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import importlib
 
 from mha2mla.train.config import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig
 
-_LAZY = {"recover": "mha2mla.train.trainer", "RecoveryRecipe": "mha2mla.train.recipe"}
+_LAZY = {"recover": "mha2mla.train.trainer", "RecoveryRun": "mha2mla.train.run"}
 
-__all__ = ["MLA_LORA_TARGETS", "SOURCE_LORA_TARGETS", "LoraSettings", "RecoverConfig", "RecoveryRecipe", "recover"]
+__all__ = ["MLA_LORA_TARGETS", "SOURCE_LORA_TARGETS", "LoraSettings", "RecoverConfig", "RecoveryRun", "recover"]
 
 
 def __getattr__(name: str):

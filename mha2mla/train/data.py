@@ -138,3 +138,27 @@ class RowOrder:
             epoch, offset = divmod(position, self.num_rows)
             out.append(self._permutation(epoch)[offset])
         return torch.stack(out)
+
+
+def prepare_data(config, tokenizer, rows_needed: int) -> tuple[PackedSequences, PackedSequences | None]:
+    """The training rows and the held-out rows (``eval_data``, or the first rows of the training data; None when
+    ``eval_sequences`` is 0)."""
+    if config.eval_data:
+        train = build_packed(tokenizer, config.data, config.seq_len, config.text_field, rows_needed, "training data")
+        held_out = build_packed(
+            tokenizer, config.eval_data, config.seq_len, config.text_field, config.eval_sequences or None, "evaluation data"
+        )
+        return train, held_out
+    packed = build_packed(
+        tokenizer, config.data, config.seq_len, config.text_field, rows_needed + config.eval_sequences, "training data"
+    )
+    if config.eval_sequences == 0:
+        return packed, None
+    if len(packed) <= config.eval_sequences:
+        raise UserError(
+            f"the training data fills only {len(packed)} sequences of {config.seq_len} tokens, not enough to hold out "
+            f"{config.eval_sequences} for evaluation and train on the rest; give more text, --eval-data, or a smaller "
+            "--eval-sequences."
+        )
+    held_out, train = packed.split(config.eval_sequences)
+    return train, held_out

@@ -1,10 +1,10 @@
-"""``recover(config)``: the public entry point of recovery fine-tuning. It runs a ``RecoveryRecipe``
-(mha2mla/train/recipe.py): setup, the training loop, the merged model written to OUT, cleanup."""
+"""``recover(config)``: the public entry point of recovery fine-tuning. It runs a ``RecoveryRun``
+(mha2mla/train/run.py): setup, the training loop, the merged model written to OUT, cleanup."""
 
 from __future__ import annotations
 
 from mha2mla.train.config import RecoverConfig
-from mha2mla.train.recipe import RecoveryRecipe
+from mha2mla.train.run import RecoveryRun
 
 
 def recover(config: RecoverConfig, resume: str | None = None, show_progress: bool = True) -> dict:
@@ -12,7 +12,7 @@ def recover(config: RecoverConfig, resume: str | None = None, show_progress: boo
 
     ``resume``: None (fresh run; OUT must be new or empty), ``"auto"`` (continue from OUT's latest checkpoint
     if any) or a checkpoint folder. Returns the recovery report (also written to OUT/recovery_report.json)."""
-    recipe = RecoveryRecipe(config, resume=resume, show_progress=show_progress)
+    recipe = RecoveryRun(config, resume=resume, show_progress=show_progress)
     try:
         recipe.setup()
         report = recipe.train()

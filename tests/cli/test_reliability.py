@@ -662,12 +662,12 @@ RUN_FLAGS = ["--seq-len", "32", "--batch-size", "2", "--lora-rank", "4", "--lr",
 def unfinished_run(tiny_mla, tmp_path_factory) -> tuple[Path, Path]:
     """(training text, a recover run folder with checkpoints step-000002 and step-000004 and no model yet): a run
     stopped before its export."""
-    from mha2mla.train.recipe import RecoveryRecipe
+    from mha2mla.train.run import RecoveryRun
 
     base = tmp_path_factory.mktemp("run")
     (base / "corpus.txt").write_text(SAMPLE_TEXT * 4)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RecoveryRecipe, "export", lambda self, report: None)
+        patch.setattr(RecoveryRun, "export", lambda self, report: None)
         code, _, err = run_cli(["recover", tiny_mla, "--data", base / "corpus.txt", "--out", base / "run", *RUN_FLAGS],
                                _NoCapture())
     assert code == 0, err
@@ -803,14 +803,14 @@ def test_recover_checkpoint_save_on_a_full_disk(tiny_mla, tmp_path, capsys, monk
 
 
 def test_recover_export_on_a_full_disk(tiny_mla, tmp_path, capsys, monkeypatch, stderr_logging):
-    import mha2mla.train.export
+    import mha2mla.train.merge
 
     def full_while_writing(folder, *args, **kwargs):  # safetensors reports a full disk only in its message
         (Path(folder) / "absorbed.safetensors").write_bytes(b"\0" * 64)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     (tmp_path / "corpus.txt").write_text(SAMPLE_TEXT * 4)
-    monkeypatch.setattr(mha2mla.train.export, "write_absorbed", full_while_writing)
+    monkeypatch.setattr(mha2mla.train.merge, "write_absorbed", full_while_writing)
     run = tmp_path / "run"
     code, _, err = run_cli(["recover", tiny_mla, "--data", tmp_path / "corpus.txt", "--out", run, *RUN_FLAGS], capsys)
     lines = err.strip().splitlines()

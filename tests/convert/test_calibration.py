@@ -21,7 +21,7 @@ from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.pipeline import convert
 from mha2mla.convert.plan.methods import Methods, product_methods
 from mha2mla.convert.plan.resolve import make_plan
-from mha2mla.convert.source import SourceReader
+from mha2mla.convert.source_reader import SourceReader
 from mha2mla.convert.steps.lowrank import joint_low_rank
 from mha2mla.convert.steps.norm import stabilized_norm, unit_rms_norm
 from mha2mla.convert.steps.records import LayerStatistics, LayerWork, SourceAttention

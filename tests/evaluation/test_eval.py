@@ -279,8 +279,8 @@ def test_table_and_plots_for_several_models(tmp_path):
 
 
 def test_missing_or_malformed_conversion_report_is_skipped(tmp_path):
-    from mha2mla.evaluation.compare import read_conversion_report
-    from mha2mla.evaluation.report import plot_conversion_error
+    from mha2mla.evaluation.plots import plot_conversion_error
+    from mha2mla.evaluation.run import read_conversion_report
 
     assert read_conversion_report(tmp_path) is None
     (tmp_path / "conversion_report.json").write_text("{not json")

@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM
 from mha2mla.recipes import build_settings
 from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, recover
 from mha2mla.train.data import RowOrder, pack_token_lists, target_mask
-from mha2mla.train.export import write_recovered
 from mha2mla.train.losses import distillation_loss
+from mha2mla.train.merge import write_recovered
 from mha2mla.train.model import load_student, load_tokenizer, make_trainable
-from mha2mla.train.recipe import RecoveryRecipe
+from mha2mla.train.run import RecoveryRun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
@@ -167,7 +167,7 @@ def test_train_step_trains_a_source_model_with_lora_settings(tmp_path):
     lora = LoraSettings(rank=4, alpha=8, targets=SOURCE_LORA_TARGETS)
     config = RecoverConfig(model=str(source), data=["unused"], out=str(tmp_path / "never-written"), max_steps=10,
                            batch_size=2, grad_accum=2, learning_rate=1e-2, lora=lora)
-    recipe = RecoveryRecipe(config, show_progress=False)
+    recipe = RecoveryRun(config, show_progress=False)
     recipe.setup_training(make_trainable(AutoModelForCausalLM.from_pretrained(source), config.lora))
     trainable = {name for name, p in recipe.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)

@@ -25,7 +25,7 @@ from mha2mla.convert.calibration.data import calibration_documents, calibration_
 from mha2mla.convert.calibration.memory import calibration_batch, check_budget, host_buffer
 from mha2mla.convert.output.target_config import deepseek_config_object
 from mha2mla.convert.plan.resolve import ConversionPlan
-from mha2mla.convert.source import SourceReader
+from mha2mla.convert.source_reader import SourceReader
 from mha2mla.devices import resolve_device
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""``RecoveryRecipe``: one recovery run as a recipe object (the shape of a torchtune recipe, docs/recover.md).
+"""``RecoveryRun``: one recovery run as a recipe object (the shape of a torchtune recipe, docs/recover.md).
 
 ``setup()`` checks the inputs, starts accelerate and builds the data, the student (LoRA or full attention), the
 teacher, the optimizer and, on resume, restores the checkpoint; ``train()`` loops over ``train_step`` (the one
@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -28,12 +26,9 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 
-from mha2mla import UserError
-from mha2mla.evaluation.perplexity import batch_nll
-from mha2mla.io.output import remove_stale, write_errors
 from mha2mla.train import checkpoint as ckpt
-from mha2mla.train.config import RecoverConfig, flat_settings
-from mha2mla.train.data import PackedSequences, RowOrder, build_packed, target_mask
+from mha2mla.train.config import RecoverConfig
+from mha2mla.train.data import PackedSequences, RowOrder, prepare_data, target_mask
 from mha2mla.train.distributed import (
     gathered_optimizer_state,
     gathered_trainable,
@@ -41,8 +36,10 @@ from mha2mla.train.distributed import (
     load_optimizer_state,
     start_accelerator,
 )
-from mha2mla.train.export import RECOVER_CONFIG, RECOVERY_REPORT, check_out_folder, write_recovered
+from mha2mla.train.evaluate import packed_perplexity
+from mha2mla.train.log import evaluate_and_log, open_run_folder, record_step
 from mha2mla.train.losses import distillation_loss, lm_loss
+from mha2mla.train.merge import check_out_folder, gathered_model, recovery_report, write_recovered
 from mha2mla.train.model import (
     check_teacher_matches,
     check_teacher_path,
@@ -54,163 +51,17 @@ from mha2mla.train.model import (
     make_trainable,
     read_model_config,
 )
+from mha2mla.train.resume import check_same_run, restore_point, resume_point
+from mha2mla.train.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
-
-TRAIN_LOG = "train_log.jsonl"
-
-
-def lr_multiplier(config: RecoverConfig, total_steps: int):
-    """Linear warmup over ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` (or constant)."""
-    warmup = config.warmup_steps
-
-    def multiplier(step: int) -> float:  # step = optimizer steps already taken
-        if step < warmup:
-            return (step + 1) / warmup
-        if config.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1 - progress
-        return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
-
-    return multiplier
-
-
-def _check_run_folder(out: Path) -> None:
-    """An existing, non-empty --out must be a recover run folder (its settings or checkpoints) or a finished one."""
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    if (out / RECOVERY_REPORT).is_file() or (out / RECOVER_CONFIG).is_file() or ckpt.list_checkpoints(out):
-        return
-    raise UserError(f"--out {out} is not empty and was not written by mha2mla recover; choose a new or empty --out.")
-
-
-def resume_point(config: RecoverConfig, resume: str | None) -> Path | None:
-    """The checkpoint to continue from (None: a fresh run), after checking OUT is usable. A checkpoint is only
-    named here; :func:`restore_point` reads it back."""
-    out = config.out_path
-    _check_run_folder(out)
-    finished = (out / "config.json").is_file()
-    if resume is None:
-        if out.exists() and any(out.iterdir()):
-            if finished:
-                raise UserError(f"{out} already holds a recovered model; choose another --out.")
-            if ckpt.list_checkpoints(out):
-                raise UserError(f"{out} holds checkpoints of an unfinished run; pass --resume auto to continue it.")
-            raise UserError(f"{out} holds an unfinished run without checkpoints; choose another --out, or pass "
-                            "--resume auto to restart the run there.")
-        return None
-    if resume == "auto":
-        if finished:
-            raise UserError(f"the run in {out} has already finished; choose another --out.")
-        return ckpt.latest_checkpoint(out)
-    path = Path(resume).expanduser()
-    if not path.is_dir() or not ckpt.STEP_PATTERN.match(path.resolve().name):
-        raise UserError(f"--resume {resume} is not a checkpoint folder (OUT/step-NNNNNN); use --resume auto.")
-    return path
-
-
-def restore_point(config: RecoverConfig, resume: str | None, rank: int = 0) -> tuple[Path | None, dict | None]:
-    """The checkpoint a run continues from and what it holds, every file read back: ``--resume auto`` takes the
-    newest complete checkpoint (saying which damaged ones it passed over), a named checkpoint must be complete."""
-    chosen = resume_point(config, resume)
-    if chosen is None:
-        return None, None
-    if resume == "auto":
-        found = ckpt.newest_complete(config.out_path, rank)
-        return found if found is not None else (None, None)
-    try:
-        return chosen, ckpt.load_checkpoint(chosen, rank)
-    except ckpt.DamagedCheckpoint as error:
-        raise UserError(f"{str(error).removesuffix('.')}; resume from an earlier checkpoint, or use --resume auto "
-                        "to take the newest complete one.") from None
-
-
-def check_same_run(config: RecoverConfig, folder: Path) -> None:
-    """Refuse to resume the run in ``folder`` with settings that change what it computes (named as their flags)."""
-    saved_path = folder / RECOVER_CONFIG
-    if not saved_path.is_file():
-        return
-    try:
-        saved = flat_settings(json.loads(saved_path.read_text()))
-    except (ValueError, AttributeError, TypeError) as error:
-        raise UserError(f"{saved_path} is damaged ({type(error).__name__}); it records the run's settings: restore it, "
-                        "or delete it to resume without checking that the settings are the same.") from None
-    current = flat_settings(config.outcome_fields())
-    changed = sorted(key for key in current if saved.get(key) != current[key])
-    if changed:
-        raise UserError(f"cannot resume: settings differ from the interrupted run ({', '.join(changed)}); use the same options.")
-
-
-def prepare_data(config: RecoverConfig, tokenizer, rows_needed: int) -> tuple[PackedSequences, PackedSequences | None]:
-    """The training rows and the held-out rows (``eval_data``, or the first rows of the training data; None when
-    ``eval_sequences`` is 0)."""
-    if config.eval_data:
-        train = build_packed(tokenizer, config.data, config.seq_len, config.text_field, rows_needed, "training data")
-        held_out = build_packed(
-            tokenizer, config.eval_data, config.seq_len, config.text_field, config.eval_sequences or None, "evaluation data"
-        )
-        return train, held_out
-    packed = build_packed(
-        tokenizer, config.data, config.seq_len, config.text_field, rows_needed + config.eval_sequences, "training data"
-    )
-    if config.eval_sequences == 0:
-        return packed, None
-    if len(packed) <= config.eval_sequences:
-        raise UserError(
-            f"the training data fills only {len(packed)} sequences of {config.seq_len} tokens, not enough to hold out "
-            f"{config.eval_sequences} for evaluation and train on the rest; give more text, --eval-data, or a smaller "
-            "--eval-sequences."
-        )
-    held_out, train = packed.split(config.eval_sequences)
-    return train, held_out
-
-
-@torch.no_grad()
-def packed_perplexity(model, rows: PackedSequences, batch_size: int, accelerator: Accelerator) -> float:
-    """Perplexity of ``model`` over packed ``rows`` (segment starts are not targets), scored with the project's
-    ``batch_nll``: each process takes every P-th row and the sums are reduced across processes. Under FSDP a
-    forward gathers weights from every process, so all run the same number of batches: one whose rows have run out
-    scores row 0 again and leaves it out of the sums."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    indices = torch.arange(accelerator.process_index, len(rows), accelerator.num_processes)
-    busiest = -(-len(rows) // accelerator.num_processes) if is_sharded(accelerator) else len(indices)
-    for start in range(0, busiest, batch_size):
-        chosen = indices[start : start + batch_size]
-        batch = {k: v.to(accelerator.device) for k, v in rows.rows(chosen if len(chosen) else indices.new_zeros(1)).items()}
-        with accelerator.autocast():
-            nll, count = batch_nll(model, batch, target_mask(batch["position_ids"]))
-        if len(chosen):
-            total += torch.tensor([nll, count], dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        total = accelerator.reduce(total, "sum")
-    model.train(was_training)
-    return math.exp(total[0].item() / max(1.0, total[1].item()))
-
-
-def _logged_until(log_path: Path, step: int) -> list[str]:
-    """The lines of a run's metrics log up to ``step`` (lines a kill cut short are dropped)."""
-    if not log_path.is_file():
-        return []
-    kept = []
-    for line in log_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("step", 0) <= step:
-            kept.append(line)
-    return kept
-
 
 def fresh_state() -> dict:
     """What a checkpoint's ``trainer_state.json`` holds: the step, the data position, and the curves so far."""
     return {"step": 0, "rows_consumed": 0, "tokens_trained": 0, "train_seconds": 0.0, "losses": [], "evaluations": []}
 
 
-class RecoveryRecipe:
+class RecoveryRun:
     """One recovery run: ``setup()``, ``train()``, ``export(report)``, ``cleanup()`` (``recover()`` runs them)."""
 
     def __init__(self, config: RecoverConfig, resume: str | None = None, show_progress: bool = True):
@@ -258,7 +109,7 @@ class RecoveryRecipe:
             teacher = load_teacher(config.teacher, config.attn_implementation)
             check_teacher_matches(student, teacher)
         self.setup_training(student, teacher)
-        self._open_run_folder()
+        open_run_folder(self)
 
     def start_accelerator(self) -> Accelerator:
         """accelerate for one device, DDP or FSDP2 (distributed.py; ``mixed_precision`` auto: bf16 on a GPU, none
@@ -299,19 +150,6 @@ class RecoveryRecipe:
         if saved is not None:  # after prepare, which under FSDP swaps the optimizer's parameters for the shards
             load_optimizer_state(self.model, self.optimizer.optimizer, saved["optimizer"], self.param_names, accelerator)
             ckpt.set_rng_state(saved["rng"])
-
-    def _open_run_folder(self) -> None:
-        """OUT gets the run's settings and a metrics log (what a killed run logged after its last checkpoint is
-        dropped, a half-written last line with it); checkpoints come later. A full disk is one sentence."""
-        out, log_path = self.config.out_path, self.config.out_path / TRAIN_LOG
-        if self.is_main:
-            with write_errors(out):
-                out.mkdir(parents=True, exist_ok=True)
-                remove_stale(out)  # a checkpoint save a killed run left half-written
-                (out / RECOVER_CONFIG).write_text(json.dumps(self.config.outcome_fields(), indent=2) + "\n")
-                kept = _logged_until(log_path, self.state["step"])
-                log_path.write_text("".join(line + "\n" for line in kept))
-        self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------------------------------ one step
 
@@ -402,101 +240,35 @@ class RecoveryRecipe:
         config, state = self.config, self.state
         total = config.total_steps(self.world)
         if state["step"] == 0 and not state["evaluations"]:
-            self._evaluate_and_log(0)
+            evaluate_and_log(self, 0)
         self.model.train()
         self._progress = tqdm(total=total, initial=state["step"], disable=not (self.is_main and self.show_progress),
                               unit="step", dynamic_ncols=True, desc="recover")
         while state["step"] < total:
             started = time.perf_counter()
             result = self.train_step(self.next_batch())
-            self._record(result, time.perf_counter() - started)
+            record_step(self, result, time.perf_counter() - started)
             step = state["step"]
             if config.eval_every and step % config.eval_every == 0 and step < total:
-                self._evaluate_and_log(step)
+                evaluate_and_log(self, step)
             if config.save_every and step % config.save_every == 0 and step < total:
                 self.save_checkpoint(step)
         self._progress.close()
         if not state["evaluations"] or state["evaluations"][-1]["step"] != state["step"]:
-            self._evaluate_and_log(state["step"])
-        return self.report()
-
-    def _record(self, result: dict[str, float], elapsed: float) -> None:
-        state, tokens = self.state, self.rows_per_step * self.config.seq_len
-        state["step"] += 1
-        state["rows_consumed"] += self.rows_per_step
-        state["tokens_trained"] += tokens
-        state["train_seconds"] += elapsed
-        state["losses"].append(result["loss"])
-        record = {"step": state["step"], "tokens": state["tokens_trained"], "loss": result["loss"],
-                  "lm_loss": result["lm_loss"], "lr": result["lr"], "tokens_per_second": tokens / elapsed}
-        if "distill_loss" in result:
-            record["distill_loss"] = result["distill_loss"]
-        self._write_log(record)
-        self._progress.update(1)
-        perplexity = f" | ppl {state['evaluations'][-1]['perplexity']:.2f}" if state["evaluations"] else ""
-        self._progress.set_postfix_str(f"loss {result['loss']:.3f} | {record['tokens_per_second']:.0f} tok/s{perplexity}")
-
-    def _evaluate_and_log(self, step: int) -> None:
-        perplexity = self.evaluate()
-        if perplexity is None:
-            return
-        tokens = self.state["tokens_trained"]
-        self.state["evaluations"].append({"step": step, "tokens": tokens, "perplexity": perplexity})
-        self._write_log({"step": step, "tokens": tokens, "eval_perplexity": perplexity})
-        if self.is_main:
-            log.info("step %d: held-out perplexity %.3f", step, perplexity)
-
-    def _write_log(self, record: dict) -> None:
-        if self.is_main:
-            with open(self.config.out_path / TRAIN_LOG, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            evaluate_and_log(self, state["step"])
+        return recovery_report(self)
 
     # ------------------------------------------------------------------------------------------ the end
-
-    def report(self) -> dict:
-        """The recovery report (``OUT/recovery_report.json``): curves, throughput, what trained, how it ran."""
-        state = self.state
-        trainable, total = self.parameter_counts
-        return {
-            "steps": state["step"],
-            "tokens_trained": state["tokens_trained"],
-            "final_loss": state["losses"][-1] if state["losses"] else None,
-            "losses": state["losses"],
-            "evaluations": state["evaluations"],
-            "seconds": state["train_seconds"],
-            "tokens_per_second": state["tokens_trained"] / max(state["train_seconds"], 1e-9),
-            "trainable_parameters": trainable,
-            "total_parameters": total,
-            "num_processes": self.world,
-            "mixed_precision": self.mixed_precision,
-            "resumed_from": str(self.resume_from) if self.resume_from is not None else None,
-        }
 
     def export(self, report: dict) -> None:
         """Merge the adapter and write the native DeepSeek-V3 checkpoint to OUT (main process; the others wait)."""
         accelerator, config = self.accelerator, self.config
         accelerator.wait_for_everyone()
-        model = self.whole_model() if is_sharded(accelerator) else accelerator.unwrap_model(self.model)
+        model = gathered_model(self) if is_sharded(accelerator) else accelerator.unwrap_model(self.model)
         if self.is_main:
             settings = config.model_dump(mode="json")
             write_recovered(model, self.tokenizer, Path(config.model), config.out_path, settings, report)
         accelerator.wait_for_everyone()
-
-    def whole_model(self):
-        """Under FSDP: the trained model in one piece on the main process (None on the others). The trainable
-        tensors are gathered, the sharded model and optimizer let go, and the main process loads the input model
-        again with the same trainable parameters and the gathered values (the frozen weights never changed)."""
-        config = self.config
-        trainable = gathered_trainable(self.model, self.accelerator)
-        self.model = self.optimizer = None
-        self.params = []
-        self.accelerator.free_memory()
-        if not self.is_main:
-            return None
-        model = make_trainable(load_student(config.model, config.attn_implementation),
-                               None if config.full_attention else config.lora)
-        load_trainable_state(model, trainable)
-        return model
 
     def cleanup(self) -> None:
         """Close the progress bar and drop the models, optimizer and data (GPU memory is returned)."""

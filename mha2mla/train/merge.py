@@ -15,6 +15,8 @@ from peft import PeftModel
 
 from mha2mla.io.output import check_destination, staged_output
 from mha2mla.modeling.absorbed import write_absorbed
+from mha2mla.train.distributed import gathered_trainable
+from mha2mla.train.model import load_student, load_trainable_state, make_trainable
 
 CONVERSION_REPORT = "conversion_report.json"
 RECOVERY_REPORT = "recovery_report.json"
@@ -92,3 +94,40 @@ def write_recovered(
         (staging / RECOVERY_REPORT).write_text(json.dumps({"settings": settings, **report}, indent=2) + "\n")
         (staging / "README.md").write_text(model_card(source_folder, settings, report), encoding="utf-8")
     return out
+
+
+def recovery_report(run) -> dict:
+    """The recovery report (``OUT/recovery_report.json``): curves, throughput, what trained, how it ran."""
+    state = run.state
+    trainable, total = run.parameter_counts
+    return {
+        "steps": state["step"],
+        "tokens_trained": state["tokens_trained"],
+        "final_loss": state["losses"][-1] if state["losses"] else None,
+        "losses": state["losses"],
+        "evaluations": state["evaluations"],
+        "seconds": state["train_seconds"],
+        "tokens_per_second": state["tokens_trained"] / max(state["train_seconds"], 1e-9),
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "num_processes": run.world,
+        "mixed_precision": run.mixed_precision,
+        "resumed_from": str(run.resume_from) if run.resume_from is not None else None,
+    }
+
+
+def gathered_model(run):
+    """Under FSDP: the trained model in one piece on the main process (None on the others). The trainable
+    tensors are gathered, the sharded model and optimizer let go, and the main process loads the input model
+    again with the same trainable parameters and the gathered values (the frozen weights never changed)."""
+    config = run.config
+    trainable = gathered_trainable(run.model, run.accelerator)
+    run.model = run.optimizer = None
+    run.params = []
+    run.accelerator.free_memory()
+    if not run.is_main:
+        return None
+    model = make_trainable(load_student(config.model, config.attn_implementation),
+                           None if config.full_attention else config.lora)
+    load_trainable_state(model, trainable)
+    return model
