@@ -21,7 +21,8 @@ from mha2mla.evaluation.measure import forward_throughput, kv_cache_size, parame
 from mha2mla.evaluation.perplexity import text_perplexity
 from mha2mla.evaluation.report import write_report
 from mha2mla.evaluation.tasks import check_tasks, parse_task_list, task_manager
-from mha2mla.io.output import check_results_folder, write_errors
+from mha2mla.io.output import write_errors
+from mha2mla.io.output_file import check_results_folder
 
 log = logging.getLogger(__name__)
 

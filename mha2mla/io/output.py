@@ -283,19 +283,3 @@ def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, 
         shutil.rmtree(staging, ignore_errors=True)
         remove_made(made)
         raise
-
-
-def check_results_folder(out: str | Path, what: str, *, name: str = "--out") -> None:
-    """Refuse a folder that files (``what``) are written into but that cannot hold them: a file, a read-only
-    folder, a path under a file or in a folder that cannot be written. Unlike OUT it may exist and be the current
-    folder: only the named files in it are replaced."""
-    out = Path(out)
-    target = out.expanduser().resolve()
-    if target.exists() and not target.is_dir():
-        raise UserError(f"{name} {out} is a file; give a folder to write {what} into.")
-    existing = first_existing(target)
-    if not existing.is_dir():
-        raise UserError(f"{existing} is a file, so {name} {out} cannot be created there; choose another {name}.")
-    if read_only(existing):
-        where = f"{name} {out} is read-only" if existing == target else f"cannot write into {existing} (no write permission)"
-        raise UserError(f"{where}; choose a {name} you can write to.")

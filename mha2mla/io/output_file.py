@@ -1,4 +1,4 @@
-"""Where mha2mla writes a single file (``export-gguf``'s OUT), with the rules of io/output.py for folders: OUT is never
+"""Where mha2mla writes files rather than a model folder (``export-gguf``'s OUT, ``eval``'s results folder), with the rules of io/output.py for folders: OUT is never
 a link, a folder, an input or inside one, and lies in a folder that can be written; an existing OUT is replaced only
 with --force and only when mha2mla wrote it; the file is written under a hidden sibling name, fsynced and renamed."""
 
@@ -10,7 +10,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.output import check_parent, is_within, read_only, remove_made, remove_stale, staging_for, write_errors
+from mha2mla.io.output import (
+    check_parent,
+    first_existing,
+    is_within,
+    read_only,
+    remove_made,
+    remove_stale,
+    staging_for,
+    write_errors,
+)
 
 
 def check_file_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]], *, force: bool,
@@ -66,3 +75,19 @@ def staged_file(out: str | Path) -> Iterator[Path]:
             staging.unlink()
         remove_made(made)
         raise
+
+
+def check_results_folder(out: str | Path, what: str, *, name: str = "--out") -> None:
+    """Refuse a folder that files (``what``) are written into but that cannot hold them: a file, a read-only
+    folder, a path under a file or in a folder that cannot be written. Unlike OUT it may exist and be the current
+    folder: only the named files in it are replaced."""
+    out = Path(out)
+    target = out.expanduser().resolve()
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{name} {out} is a file; give a folder to write {what} into.")
+    existing = first_existing(target)
+    if not existing.is_dir():
+        raise UserError(f"{existing} is a file, so {name} {out} cannot be created there; choose another {name}.")
+    if read_only(existing):
+        where = f"{name} {out} is read-only" if existing == target else f"cannot write into {existing} (no write permission)"
+        raise UserError(f"{where}; choose a {name} you can write to.")

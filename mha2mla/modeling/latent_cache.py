@@ -38,21 +38,10 @@ class LatentCache:
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         return cls(data=data, lengths=lengths, kv_lora_rank=kv_lora_rank)
 
-    @property
-    def num_layers(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.data.shape[1]
-
-    @property
-    def max_tokens(self) -> int:
-        return self.data.shape[2]
-
-    @property
-    def values_per_token_per_layer(self) -> int:
-        return self.data.shape[3]
+    # the sizes, read off the preallocated tensor
+    num_layers = property(lambda self: self.data.shape[0])  # L
+    batch_size = property(lambda self: self.data.shape[1])  # B
+    max_tokens = property(lambda self: self.data.shape[2])  # T_max
 
     @property
     def nbytes(self) -> int:
