@@ -81,7 +81,7 @@ def write_recovered(
     """Merge, write safetensors + config + tokenizer + absorbed weights + reports + card, then swap the result in for
     ``out``, keeping whatever the run already put there (checkpoints, logs)."""
     source_folder, out = Path(source_folder), Path(out)
-    check_destination(out, [("the model being recovered", source_folder)], name="--out")
+    # OUT was checked before training (check_out_folder); the swap checks again what can change meanwhile
     with staged_output(out, carry=True, name="--out") as staging:
         plain = merged_model(model)
         plain = plain.to(stored_dtype(source_folder))
