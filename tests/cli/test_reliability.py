@@ -762,7 +762,7 @@ def test_kill_9_inside_a_checkpoint_save_then_resume_auto(unfinished_run, tiny_m
 
     corpus, _ = unfinished_run
     run = tmp_path / "run"
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), HOLD_ENV: "4"}
     command = [sys.executable, "-m", "mha2mla.cli.main", "recover", str(tiny_mla), "--data", str(corpus), "--out",
                str(run), *RUN_FLAGS]

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 
 from mha2mla.convert.plan.engines import VLLM_CPU_COMPILATION_CONFIG, serving_command
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "tests" / "engines" / "vllm_run.py"
 # absolute, not resolved: the venv's python is a symlink that only works under its own path
 VLLM_PYTHON = Path(os.environ.get("MHA2MLA_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python")).absolute()
@@ -274,3 +274,10 @@ def test_the_serving_lines_carry_the_cpu_workaround_and_name_unservable_widths()
     assert "--attention-backend" not in "\n".join(bf16)
     assert any("576, not 320" in line for line in bf16)
     assert serving_command({**plan, "target": "sglang"}) == []
+
+
+def test_the_runner_and_the_venv_are_looked_for_in_the_checkout():
+    """The vLLM tests find their runner script and the Makefile's venv relative to the checkout (a wrong root would
+    make them skip as if vLLM were not installed)."""
+    assert RUNNER.is_file() and (ROOT / "Makefile").is_file()
+    assert os.environ.get("MHA2MLA_VLLM_PYTHON") or VLLM_PYTHON.parent.parent == (ROOT / ".venv-vllm").absolute()

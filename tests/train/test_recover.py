@@ -25,7 +25,7 @@ from mha2mla.train.merge import write_recovered
 from mha2mla.train.model import load_student, load_tokenizer, make_trainable
 from mha2mla.train.run import RecoveryRun
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
 
 

@@ -23,7 +23,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
     "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "DeepseekV3DecoderLayer",
