@@ -110,7 +110,8 @@ def convert(
         prepare_out(out, force, source)
     ckpt = open_source(source)
     family = family_for_config(ckpt.config)
-    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=statistics is not None or calibration_tokens is not None,
+    given = statistics is not None or calibration_tokens is not None  # calibration supplied by the caller
+    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=given,
                      source_format="gguf" if str(source).lower().endswith(".gguf") else "safetensors")
     if statistics is not None and (plan.methods.fits_layers or plan.methods.sequential):
         raise ValueError("precomputed statistics cannot follow the converted model: give methods without refit, "
