@@ -67,8 +67,9 @@ def source_config(
     return AutoConfig.for_model(family, **kwargs)
 
 
-def randomize_weights(model) -> None:
-    """Larger-than-default random weights: peaked attention patterns, logits of several units."""
+def randomize_weights(model, std: float = 0.15) -> None:
+    """Larger-than-default random weights (matrices of standard deviation ``std``): peaked attention patterns, logits
+    of several units."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -76,7 +77,7 @@ def randomize_weights(model) -> None:
             elif name.endswith("bias"):
                 param.copy_(0.5 * torch.randn_like(param))
             else:
-                param.normal_(0.0, 0.15)
+                param.normal_(0.0, std)
 
 
 def logits(folder, input_ids: torch.Tensor) -> torch.Tensor:

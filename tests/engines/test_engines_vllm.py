@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import tiny_tokenizer
+from common import randomize_weights, tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mha2mla.convert.plan.engines import VLLM_CPU_COMPILATION_CONFIG, serving_command
@@ -57,14 +57,8 @@ def build_source(path: Path, name: str) -> Path:
         rope_parameters={"rope_type": "default", **rope}, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = model_cls(config)
+    randomize_weights(model, std=0.05)
     with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif param_name.endswith("bias"):
-                param.copy_(0.5 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.05)
         model.lm_head.weight.mul_(LM_HEAD_SCALE)
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
