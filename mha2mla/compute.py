@@ -1,0 +1,67 @@
+"""The compute dtype: what the matmul-heavy work (calibration forwards, reconstruction, recovery, decoding) runs in,
+decided once per command from ``--compute-dtype auto|float32|bfloat16`` and the device (docs/design.md,
+"compute dtype").
+
+``auto`` is bfloat16 where the hardware multiplies bf16 natively — a CUDA GPU that supports it, a CPU that
+reports AMX (``amx_bf16``) or AVX-512 BF16 (``avx512_bf16``), or an Arm CPU with the ``bf16`` extension — and
+float32 elsewhere, where bf16 would be emulated and slower. The statistics, factorisations, moments and
+solves never use it: they stay float32/float64 whatever it is. float32 is the exact setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+ComputeDtype = Literal["auto", "float32", "bfloat16"]
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+# CPU feature flags (/proc/cpuinfo) under which bf16 matmuls run on the hardware's own bf16 instructions
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+BF16_ARM_FEATURES = ("bf16",)
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags as the kernel reports them (x86 ``flags``, Arm ``Features``); empty when unknown."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return flags
+
+
+def cpu_has_bf16(flags: set[str] | None = None) -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX, AVX-512 BF16 or Arm BF16), from its reported flags."""
+    flags = cpu_flags() if flags is None else flags
+    return any(flag in flags for flag in BF16_CPU_FLAGS + BF16_ARM_FEATURES)
+
+
+def resolve_compute_dtype(name: str | None, device: str) -> str:
+    """``float32`` or ``bfloat16`` for ``name`` (auto, float32, bfloat16; None is auto) on ``device`` (a torch
+    device name: cpu, cuda, cuda:1, mps)."""
+    name = "auto" if name is None else str(name).strip().lower()
+    if name not in COMPUTE_DTYPES:
+        from mha2mla import UserError
+
+        raise UserError(f"--compute-dtype {name!r} is not a compute dtype; use auto, float32 or bfloat16.")
+    if name != "auto":
+        return name
+    kind = str(device).split(":")[0]
+    if kind == "cuda":
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    if kind == "cpu":
+        return "bfloat16" if cpu_has_bf16() else "float32"
+    return "float32"
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a resolved compute dtype name."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
