@@ -11,7 +11,12 @@ cached GGUF), loads the result with transformers and scores the held-out KJV and
 (``mha2mla.evaluation.perplexity``: 16,384 tokens from a third of the way in, 32 × 512 windows; never
 used for calibration — calibration reads the bundled sample). It prints one JSON object per
 conversion, then a JSON summary and a Markdown table with the ratio to the source model.
-``--rope-dims`` sweeps the rope/rank split at each budget (default: the plan's split).
+``--rope-dims`` sweeps the rope/rank split at each budget (default: the plan's split). ``--compute-dtypes float32
+bfloat16`` converts each setting once per compute dtype, side by side in one run (mha2mla/compute.py), and adds
+the wall time and the per-phase seconds summed over the layers (reconstruction; the rest of each layer) to each row:
+
+    OMP_NUM_THREADS=2 MHA2MLA_CACHE=.cache python benchmarks/quality.py --budgets 0.3125 0.125 \
+        --methods act-attention-refit-recon --profiles portable --compute-dtypes float32 bfloat16
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ def source_statistics(source: Path, options, profile: str) -> list:
     from mha2mla.families import family_for_config
     from mha2mla.io.source import open_source
 
-    key = (str(source), options.calib, options.calib_samples, options.calib_seq_len)
+    key = (str(source), options.calib, options.calib_samples, options.calib_seq_len, options.compute_dtype)
     if key not in _STATISTICS:
         ckpt = open_source(source)
         family = family_for_config(ckpt.config)
@@ -101,7 +106,8 @@ def source_statistics(source: Path, options, profile: str) -> list:
     return _STATISTICS[key]
 
 
-def run_one(source: Path, budget: float, rope_dim: int | None, method: str, profile: str, args) -> dict:
+def run_one(source: Path, budget: float, rope_dim: int | None, method: str, profile: str, args,
+            compute_dtype: str = "auto") -> dict:
     from mha2mla.convert.options import ConvertOptions
     from mha2mla.convert.pipeline import convert
     from mha2mla.convert.plan.resolve import make_plan
@@ -110,6 +116,8 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
 
     methods = method_set(method, profile)
     calibration = {"calib": args.calib, "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
+    if method != "weight-svd":  # the weight-only path computes nothing to give a dtype to
+        calibration["compute_dtype"] = compute_dtype
     options = dict(profile=profile, kv_budget=budget, rope_stride=args.rope_stride, **calibration)
     if rope_dim is not None or args.full_rank:  # the same total cache as the budget, another rope/rank split
         ckpt = open_source(source)
@@ -134,6 +142,9 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         "calib_samples": None if result.plan.calibration is None else result.plan.calibration.samples,
         "values_per_token_per_layer": result.plan.rope_dim + result.plan.kv_lora_rank,
         "methods": result.report["methods"], "convert_seconds": round(seconds, 1),
+        "compute_dtype": result.plan.compute_dtype,
+        "layer_seconds": round(sum(l["seconds"] for l in layers), 1),
+        "reconstruction_seconds": round(sum(l.get("reconstruction_seconds", 0.0) for l in layers), 1),
         "statistics": "precomputed (source activations)" if statistics is not None else "in convert",
         "k_rel_error": round(sum(l["k_rel_error"] for l in layers) / len(layers), 4),
         "v_rel_error": round(sum(l["v_rel_error"] for l in layers) / len(layers), 4),
@@ -143,15 +154,15 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
 
 def markdown(rows: list[dict], source_ppl: dict) -> str:
     slices = list(source_ppl)
-    head = "| budget | values/token/layer | rope dim + kv_lora_rank | profile | method | " + " | ".join(
+    head = "| budget | values/token/layer | rope dim + kv_lora_rank | profile | method | compute | convert s | " + " | ".join(
         f"{s} ppl (×source)" for s in slices) + " |"
-    lines = [head, "|" + "---|" * (5 + len(slices))]
-    lines.append(f"| 100% (source) | {rows[0]['source_values'] if rows else ''} | — | — | source | "
+    lines = [head, "|" + "---|" * (7 + len(slices))]
+    lines.append(f"| 100% (source) | {rows[0]['source_values'] if rows else ''} | — | — | source | — | — | "
                  + " | ".join(f"{source_ppl[s]:.2f}" for s in slices) + " |")
     for row in rows:
         cells = " | ".join(f"{row['perplexity'][s]:.2f} (×{row['perplexity'][s] / source_ppl[s]:.2f})" for s in slices)
         lines.append(f"| {100 * row['budget']:.2f}% | {row['values_per_token_per_layer']} | {row['rope_dim']} + {row['kv_lora_rank']} | "
-                     f"{row['profile']} | {row['method']} | {cells} |")
+                     f"{row['profile']} | {row['method']} | {row['compute_dtype']} | {row['convert_seconds']} | {cells} |")
     return "\n".join(lines)
 
 
@@ -220,6 +231,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rope-dims", type=int, nargs="+", default=None, help="rope/rank splits to sweep (same total)")
     parser.add_argument("--full-rank", action="store_true", help="keep the full latent rank (measures the rope cut alone)")
     parser.add_argument("--rope-stride", type=int, default=None, help="keep every s-th rope pair (default: the plan's choice)")
+    parser.add_argument("--compute-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                        help="convert each setting once per compute dtype (side by side in one run)")
     parser.add_argument("--calib", default="default")
     parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default: the product's)")
     parser.add_argument("--calib-seq-len", type=int, default=256)
@@ -248,11 +261,12 @@ def main(argv=None) -> int:
         for rope_dim in args.rope_dims or [None]:
             for method in args.methods:
                 for profile in args.profiles:
-                    row = run_one(source, budget, rope_dim, method, profile, args)
-                    row["source_values"] = source_values
-                    row["ratio"] = {k: round(row["perplexity"][k] / source_ppl[k], 3) for k in args.slices}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    for compute_dtype in args.compute_dtypes if method != "weight-svd" else ["auto"]:
+                        row = run_one(source, budget, rope_dim, method, profile, args, compute_dtype)
+                        row["source_values"] = source_values
+                        row["ratio"] = {k: round(row["perplexity"][k] / source_ppl[k], 3) for k in args.slices}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     summary = {"source_perplexity": source_ppl, "windows": args.windows, "calib": args.calib,
                "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len, "results": rows}
     if args.json:

@@ -16,7 +16,7 @@ from mha2mla.recipes import load_recipe
 
 FLAGS = Flags(
     settings=("target", "profile", "kv_budget", "kv_lora_rank", "rope_dim", "dtype", "calib", "calib_samples",
-              "calib_device", "reconstruct"),
+              "calib_device", "compute_dtype", "reconstruct"),
     metavars={"calib": "TEXT", "calib_samples": "N", "calib_device": "DEVICE"},
 )
 

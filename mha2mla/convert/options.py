@@ -13,7 +13,7 @@ KV_BUDGET = 0.25  # the budget when neither kv_budget nor kv_lora_rank with rope
 CALIB_SAMPLES = 256  # calibration windows below WIDE_HIDDEN_SIZE
 CALIB_SAMPLES_WIDE = 128  # past it, so that one layer's working set at 70B widths stays within a 24 GiB host
 WIDE_HIDDEN_SIZE = 4096
-CALIBRATION_KEYS = ("calib_samples", "calib_seq_len", "calib_device", "max_memory")
+CALIBRATION_KEYS = ("calib_samples", "calib_seq_len", "calib_device", "compute_dtype", "max_memory")
 
 
 class ConvertOptions(BaseModel):
@@ -48,6 +48,10 @@ class ConvertOptions(BaseModel):
     calib_seq_len: int = Field(256, description="tokens per calibration window")
     calib_device: str | None = Field(None, description="device for calibration (cpu, cuda, cuda:1; cuda when "
                                      "available if not given)")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="dtype of the calibration's layer forwards and the reconstruction (auto: bfloat16 on a "
+        "GPU and on CPUs with AMX or AVX-512 BF16, else float32; statistics and solves stay float32/float64; "
+        "float32 is exact, docs/design.md \"compute dtype\")")
     reconstruct: bool = Field(True, description="fit each calibrated layer to the source layer by gradient descent "
                               "(docs/calibration.md); off is faster and worse")
     max_memory: float | None = Field(None, description="GiB one calibrated layer may use on the host; past it the "

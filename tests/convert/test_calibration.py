@@ -64,6 +64,7 @@ def calibrated(profile="exact", sequential=True, **changes) -> Methods:
 def stream_for(folder, tokens, sequential, profile="exact", **options) -> CalibrationStream:
     ckpt = open_source(folder)
     family = family_for_config(ckpt.config)
+    options.setdefault("compute_dtype", "float32")  # statistics compared with float32 computations
     plan = make_plan(ckpt.config, family, ConvertOptions(profile=profile, **options), methods=calibrated(profile, sequential))
     return CalibrationStream(SourceReader(ckpt, family, plan), tokens, device="cpu")
 
@@ -157,7 +158,7 @@ def test_sequential_statistics_follow_the_converted_layer(sources, monkeypatch):
     monkeypatch.setattr(pipeline, "measure", recording)
     for rank, should_match in ((2 * HEAD_DIM + 1, True), (4, False)):
         out = folder.parent / f"seq_rank{rank}"
-        options = ConvertOptions(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM)
+        options = ConvertOptions(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM, compute_dtype="float32")
         convert(folder, out, options, calibration_tokens=tokens, progress=False, force=True)
         close = torch.allclose(seen[1].input_covariance, covariance, rtol=1e-4, atol=1e-4)
         assert close == should_match, (rank, (seen[1].input_covariance - covariance).abs().max())
@@ -240,7 +241,7 @@ def test_precomputed_statistics_convert_as_the_stream_would(sources, tmp_path):
     from the stream inside convert (how benchmarks/quality.py reuses one measurement across budgets)."""
     tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(9))
     methods = calibrated(sequential=False, refit="none", reconstruct="none")
-    options = ConvertOptions(profile="exact", kv_budget=0.5)
+    options = ConvertOptions(profile="exact", kv_budget=0.5, compute_dtype="float32")  # as stream_for
     stream = stream_for(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
     layers = []
     for layer in range(2):
@@ -270,7 +271,7 @@ METHOD_GRID = {  # the product's two sets, and the ablations the quality benchma
 @pytest.mark.parametrize("label", list(METHOD_GRID))
 def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, name, label):
     methods = METHOD_GRID[label]
-    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="default",
+    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="default", compute_dtype="float32",
                              calib_samples=4, calib_seq_len=32)
     result = convert(sources[name], tmp_path / "out", options, progress=False, methods=methods)
     assert result.report["methods"] == methods.to_dict() and result.plan.calibrated
@@ -472,7 +473,8 @@ def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sou
 
 @pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
 def test_reconstruction_keeps_full_capacity_exact(sources, input_ids, tmp_path, name):
-    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib_samples=8, calib_seq_len=32)
+    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib_samples=8, calib_seq_len=32,
+                             compute_dtype="float32")
     result = convert(sources[name], tmp_path / "out", options, progress=False, methods=calibrated(reconstruct="gradient"))
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
@@ -487,7 +489,7 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
 
     tokens = torch.randint(0, 384, (32, 64), generator=torch.Generator().manual_seed(8))
     folder = sources["llama_gqa"]
-    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2)
+    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, compute_dtype="float32")
     methods = calibrated(reconstruct="gradient")
     result = convert(folder, tmp_path / "out", options, calibration_tokens=tokens, progress=False, methods=methods)
     layers = result.report["layers"]
@@ -541,7 +543,7 @@ def test_reconstruction_target_leaves_out_the_drift_of_massive_activations(sourc
     stream.source_hidden[:, 0] *= 2 * MASSIVE_NORM_RATIO  # every sequence's first token: a massive activation
     stream.source_hidden[3, 5] *= 0.8 * MASSIVE_NORM_RATIO  # large, but under the ratio: its drift stays
     captured = {}
-    monkeypatch.setattr(reconstruct_module, "reconstruct", lambda module, data, exact: captured.update(y=data.y.clone()) or {})
+    monkeypatch.setattr(reconstruct_module, "reconstruct", lambda module, data, exact, compute_dtype: captured.update(y=data.y.clone()) or {})
     gradient_reconstruction(work)
     assert work.report["reconstruction_massive_tokens"] == len(tokens)
     layer = activations.source

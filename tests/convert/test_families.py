@@ -50,6 +50,8 @@ def input_ids():
 
 def full_capacity(name: str, kv_heads: int, **extra) -> ConvertOptions:
     rank = min(D, 2 * kv_heads * HEAD_DIM) + 1  # + the exact profile's constant channel
+    if extra.get("calib", "default") is not None:  # calibrated: its forwards in float32, the exact setting
+        extra.setdefault("compute_dtype", "float32")
     return ConvertOptions(profile="exact", kv_lora_rank=rank, rope_dim=FAMILIES[name][2], **extra)
 
 

@@ -90,7 +90,8 @@ def test_row_space_moments_keep_full_capacity_exact(source, tmp_path, monkeypatc
         return stats
 
     monkeypatch.setattr(pipeline, "measure", statistics)
-    options = ConvertOptions(profile="exact", kv_lora_rank=2 * 16 + 1, rope_dim=16, calib_samples=4, calib_seq_len=32)
+    options = ConvertOptions(profile="exact", kv_lora_rank=2 * 16 + 1, rope_dim=16, calib_samples=4, calib_seq_len=32,
+                             compute_dtype="float32")
     convert(source, tmp_path / "out", options, progress=False)
     assert seen and all(shape == (32, 64) for shape in seen), seen  # MQA: 2 · 1 · 16 rows of 64 dims
     input_ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))

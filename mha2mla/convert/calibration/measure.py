@@ -91,9 +91,9 @@ def attention_statistics(activations: LayerActivations, basis: torch.Tensor | No
     histogram = torch.zeros(H, L, dtype=torch.float64, device=device)
     with eager_attention(attention.config):  # the probabilities themselves
         for batch in activations.batches():
-            x = activations.normed(activations.hidden[batch])  # (b, L, D)
+            x = activations.normed(activations.hidden[batch])  # (b, L, D), compute dtype
             probabilities = attention(x, position_embeddings=stream.source_rope, attention_mask=stream.causal_mask)[1].float()
-            x = x if project is None else x @ project.T  # (b, L, m)
+            x = x.float() if project is None else x.float() @ project.T  # (b, L, m): the moments in float32
             averaged = probabilities[:, :, ::QUERY_STRIDE] @ x[:, None]  # (b, H, L/s, m)
             covariances += torch.einsum("bhnd,bhne->hde", averaged, averaged)
             weight = probabilities.sum(2)[:, :, keys].clamp_min(0) ** KEY_WEIGHT_POWER * key_share  # (b, H, k)

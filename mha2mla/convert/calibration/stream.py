@@ -9,6 +9,10 @@ tensors)``: the hidden states pushed through layer i — its converted attention
 (layer i+1 is then calibrated on what the converted model really feeds it), else the source attention —
 and the source MLP. When the refit or the reconstruction needs the source model's own outputs, a second
 stream of the source model's hidden states is carried beside the first.
+
+The hidden states are float32; the layer forwards run in the plan's compute dtype (mha2mla/compute.py): the
+layer modules, the rope tables and the mask are in it, every forward takes its input cast to it and returns
+float32 to the residual stream (docs/design.md, "compute dtype").
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
 from mha2mla import UserError
+from mha2mla.compute import torch_dtype
 from mha2mla.convert.calibration.data import calibration_documents, calibration_token_ids
 from mha2mla.convert.calibration.memory import calibration_batch, check_budget, host_buffer
 from mha2mla.convert.output.target_config import deepseek_config_object
@@ -63,6 +68,7 @@ class CalibrationStream:
         plan = reader.plan
         self.reader, self.plan = reader, plan
         self.device = torch.device(resolve_device(device, "--calib-device"))
+        self.compute = torch_dtype(plan.compute_dtype)  # the layer forwards' dtype
         self.batch_size = batch_size or (calibration_batch(plan) if plan.calibration is not None else 8)
         self.on_disk = on_disk and self.device.type == "cpu"
         self.modules = _modules(reader.ckpt.config, plan)
@@ -79,8 +85,8 @@ class CalibrationStream:
         self.layer = 0  # the hidden states are the input of this layer
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
         # an explicit causal mask: eager attention (run for its probabilities) applies no other
-        self.causal_mask = torch.full((L, L), float("-inf"), device=self.device).triu(1)[None, None]
-        probe = torch.zeros(1, L, 1, device=self.device)
+        self.causal_mask = torch.full((L, L), float("-inf"), device=self.device, dtype=self.compute).triu(1)[None, None]
+        probe = torch.zeros(1, L, 1, device=self.device, dtype=self.compute)  # the rope tables take its dtype
         self.source_rope = self.modules.source_rotary.to(self.device)(probe, positions)
         self.target_rope = self.modules.target_rotary.to(self.device)(probe, positions)
 
@@ -94,7 +100,7 @@ class CalibrationStream:
             raise RuntimeError(f"the calibration stream is at layer {self.layer}, not {layer}; layers go in order")
         module = self.modules.layer_class(self.modules.source_config, layer_idx=layer)
         module.load_state_dict(self.reader.layer_state(layer, list(module.state_dict())))
-        return LayerActivations(self, layer, module.to(self.device).eval())
+        return LayerActivations(self, layer, module.to(self.device, self.compute).eval())
 
     @torch.no_grad()
     def advance(self, activations: LayerActivations, tensors: dict[str, torch.Tensor] | None) -> None:
@@ -109,7 +115,7 @@ class CalibrationStream:
             batch = slice(start, start + self.batch_size)
             h = self.hidden[batch]  # (b, L, D)
             if converted is not None:
-                h = h + converted(activations.normed(h), position_embeddings=self.target_rope, attention_mask=None)[0]
+                h = h + converted(activations.normed(h), position_embeddings=self.target_rope, attention_mask=None)[0].float()
             else:
                 h = h + activations.source_output(h, None if own_heads is None else own_heads[batch])
             self.hidden[batch] = activations.add_mlp(h)
@@ -131,6 +137,7 @@ class LayerActivations:
         self.plan, self.device, self.batch_size = stream.plan, stream.device, stream.batch_size
         self.hidden, self.source_hidden = stream.hidden, stream.source_hidden
         self.residual_scale = stream.plan.shape.residual_scale  # folded into the converted o_proj (source.py)
+        self.compute = stream.compute
         self.computed_heads: torch.Tensor | None = None
 
     def batches(self):
@@ -138,8 +145,8 @@ class LayerActivations:
         return [slice(start, start + self.batch_size) for start in range(0, self.hidden.shape[0], self.batch_size)]
 
     def normed(self, h: torch.Tensor) -> torch.Tensor:
-        """The attention input: the source layer's input RMSNorm of hidden states ``h`` (b, L, D)."""
-        return self.source.input_layernorm(h)
+        """The attention input, in the compute dtype: the source layer's input RMSNorm of hidden states ``h`` (b, L, D)."""
+        return self.source.input_layernorm(h.to(self.compute))
 
     @torch.no_grad()
     def source_heads(self) -> torch.Tensor:
@@ -165,16 +172,17 @@ class LayerActivations:
         """The source attention output on hidden states ``h`` (b, L, D), residual multiplier included: from
         ``heads``, their head outputs, when these were computed already."""
         if heads is not None:
-            return self.residual_scale * self.source.self_attn.o_proj(heads.to(self.device))
+            return self.residual_scale * self.source.self_attn.o_proj(heads.to(self.device, self.compute)).float()
         return self.residual_scale * self.source.self_attn(self.normed(h), position_embeddings=self.stream.source_rope,
-                                                           attention_mask=None)[0]
+                                                           attention_mask=None)[0].float()
 
     def add_mlp(self, h: torch.Tensor) -> torch.Tensor:
         """The rest of the decoder layer: its MLP added to the residual stream ``h`` (b, L, D) after the attention."""
-        return h + self.residual_scale * self.source.mlp(self.source.post_attention_layernorm(h))
+        return h + self.residual_scale * self.source.mlp(self.source.post_attention_layernorm(h.to(self.compute))).float()
 
-    def target_attention(self, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """A DeepseekV3Attention holding the converted layer's ``tensors`` in float32, on the stream's device."""
+    def target_attention(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """A DeepseekV3Attention holding the converted layer's ``tensors`` in ``dtype`` (the compute dtype if not
+        given), on the stream's device."""
         module = deepseek.DeepseekV3Attention(self.stream.modules.target_config, layer_idx=self.layer)
         state = module.state_dict()
         missing = [name for name in tensors if name not in state]
@@ -182,7 +190,7 @@ class LayerActivations:
             raise RuntimeError(f"internal error: converted tensors {missing} have no place in DeepseekV3Attention")
         state.update({name: tensor.float() for name, tensor in tensors.items()})
         module.load_state_dict(state)
-        return module.to(self.device).eval()
+        return module.to(self.device, dtype or self.compute).eval()
 
 
 def calibration_stream(reader: SourceReader) -> CalibrationStream:

@@ -10,11 +10,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mha2mla import UserError
+from mha2mla.compute import resolve_compute_dtype
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.plan.engines import Engine, engine, engine_shape
 from mha2mla.convert.plan.methods import Methods, product_methods
 from mha2mla.convert.plan.shape import DTYPES, SourceShape
 from mha2mla.convert.steps.rope import default_rope_stride, kept_pairs, target_rope_theta, validate_rope_dim
+from mha2mla.devices import resolve_device
 from mha2mla.families import Family
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class ConversionPlan:
     untie_embeddings: bool
     methods: Methods
     calibration: CalibrationSettings | None  # None: weight-only, or statistics supplied by the caller
+    compute_dtype: str = "float32"  # of the calibration's forwards and the reconstruction (mha2mla/compute.py)
     max_shard_size: int = 2 * 1024**3
     biases: dict[str, bool] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
@@ -77,7 +80,7 @@ class ConversionPlan:
                     "`mha2mla recover`")
         where = "statistics supplied by the caller" if self.calibration is None else (
             f"{'the bundled sample' if self.calibration.text == 'default' else self.calibration.text}, "
-            f"{self.calibration.samples} x {self.calibration.seq_len} tokens")
+            f"{self.calibration.samples} x {self.calibration.seq_len} tokens, computed in {self.compute_dtype}")
         return (f"calibrated on {where}: {m.rope_mixing} rope mixing, {m.rope_compensation} rope compensation, "
                 f"{m.lowrank} low rank, {m.kv_norm} kv_a_layernorm, refit {'on' if m.refit != 'none' else 'off'}, "
                 f"reconstruction {'on' if m.reconstruct != 'none' else 'off'}, {'sequential' if m.sequential else 'source-stream'} statistics")
@@ -219,6 +222,9 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
         samples = options.calib_samples_for(shape.hidden_size)
         calibration = CalibrationSettings(options.calib, samples, options.calib_seq_len, options.calib_device,
                                           options.max_memory)
+    compute_dtype = "float32"  # the weight-only path computes nothing in a stream
+    if calibrated:
+        compute_dtype = resolve_compute_dtype(options.compute_dtype, resolve_device(options.calib_device, "--calib-device"))
     return ConversionPlan(
         family=family.name,
         profile=options.profile,
@@ -235,6 +241,7 @@ def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods:
         untie_embeddings=untie and bool(config.get("tie_word_embeddings", False)),
         methods=methods,
         calibration=calibration,
+        compute_dtype=compute_dtype,
         max_shard_size=options.max_shard_size,
         biases=biases,
         warnings=tuple(warnings),

@@ -14,10 +14,15 @@ its loss is evaluated every ``EVAL_EVERY`` steps, the best point is kept (the in
 error worse) and the loop stops after ``PATIENCE`` measurements without a gain. What the profile must
 keep fixed stays fixed: in the exact profile the constant channel (its kv_a row and bias) and the
 neutralised kv_a_layernorm.
+
+In the compute dtype (mha2mla/compute.py) as mixed precision: the module given holds the float32 master
+weights that Adam updates; the forward and backward run on a copy in the compute dtype, refreshed from the
+masters after every step, on inputs kept in that dtype; the loss and the targets are float32.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -77,12 +82,33 @@ def _trainable(module: torch.nn.Module, exact: bool) -> tuple[list[torch.nn.Para
 
 
 def _loss(module: torch.nn.Module, data: ReconstructionData, index: slice | torch.Tensor) -> torch.Tensor:
+    """The relative squared error of ``module`` (the compute-dtype copy) on sequences ``index``, in float32."""
     x, y = data.x[index], data.y[index]
-    cos, sin = data.position_embeddings
-    # float32 on CPU; bf16 autocast on a GPU (the loss itself in float32)
-    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
-        out = module(x, position_embeddings=(cos, sin), attention_mask=data.attention_mask)[0]
+    out = module(x, position_embeddings=data.position_embeddings, attention_mask=data.attention_mask)[0]
     return (out.float() - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30)
+
+
+class _Worker:
+    """The copy of the master ``module`` that runs forward and backward in ``dtype`` (the module itself in
+    float32): ``grads()`` hands its gradients to the masters, ``refresh()`` copies the updated masters back."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self.master = module
+        self.module = module if dtype == torch.float32 else copy.deepcopy(module).to(dtype)
+        self.pairs = [(m, w) for m, w in zip(module.parameters(), self.module.parameters()) if m is not w]
+        for m, w in self.pairs:
+            w.requires_grad_(m.requires_grad)
+
+    def grads(self) -> None:
+        for m, w in self.pairs:
+            if w.grad is not None:
+                m.grad = w.grad.float()
+                w.grad = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for m, w in self.pairs:
+            w.copy_(m)
 
 
 @torch.no_grad()
@@ -92,14 +118,16 @@ def _held_out_error(module, data, held_out: range) -> float:
         index = slice(start, min(start + BATCH_SEQUENCES, held_out.stop))
         cos, sin = data.position_embeddings
         out = module(data.x[index], position_embeddings=(cos, sin), attention_mask=data.attention_mask)[0]
-        num += float((out - data.y[index]).pow(2).sum())
+        num += float((out.float() - data.y[index]).pow(2).sum())
         den += float(data.y[index].pow(2).sum())
     return (num / max(den, 1e-30)) ** 0.5
 
 
-def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, seed: int = 0) -> dict:
-    """Fit ``module`` (a DeepseekV3Attention holding the converted layer) in place; returns the report:
-    held-out relative error before and after, steps taken, seconds."""
+def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, seed: int = 0,
+                compute_dtype: torch.dtype = torch.float32) -> dict:
+    """Fit ``module`` (a float32 DeepseekV3Attention holding the converted layer) in place, its forwards and
+    backwards in ``compute_dtype`` (the dtype of ``data.x``); returns the report: held-out relative error before
+    and after, steps taken, seconds."""
     started = time.time()
     N = data.x.shape[0]
     held = max(1, round(N * HELD_OUT_FRACTION))
@@ -109,7 +137,8 @@ def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, 
     optimizer = torch.optim.Adam([{"params": [p], "lr": LEARNING_RATE * s} for p, s in zip(params, scales)])
     peaks = [group["lr"] for group in optimizer.param_groups]
     named = dict(module.named_parameters())
-    best_error = before = _held_out_error(module, data, held_out)
+    worker = _Worker(module, compute_dtype)
+    best_error = before = _held_out_error(worker.module, data, held_out)
     best_state = {name: p.detach().clone() for name, p in named.items()}
     generator = torch.Generator().manual_seed(seed)
     steps, waited = 0, 0
@@ -121,12 +150,14 @@ def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, 
             for group, peak in zip(optimizer.param_groups, peaks):
                 group["lr"] = peak * factor
             optimizer.zero_grad()
-            _loss(module, data, batch).backward()
+            _loss(worker.module, data, batch).backward()
+            worker.grads()
             for name, mask in masks.items():
                 named[name].grad.mul_(mask)
             optimizer.step()
+            worker.refresh()
             steps += 1
-        error = _held_out_error(module, data, held_out)
+        error = _held_out_error(worker.module, data, held_out)
         if error < best_error:
             best_error, waited = error, 0
             best_state = {name: p.detach().clone() for name, p in named.items()}
@@ -147,7 +178,7 @@ def gradient_reconstruction(work: LayerWork) -> None:
     plus the drift h_source − h_converted the earlier converted layers left, except at attention sinks. Without
     a second stream there is no drift to take up."""
     activations, tensors = work.activations, work.tensors
-    target = activations.target_attention(tensors)
+    target = activations.target_attention(tensors, dtype=torch.float32)  # the master weights
     hidden, source_hidden = activations.hidden, activations.source_hidden
     with torch.no_grad():
         x = torch.cat([activations.normed(hidden[batch]) for batch in activations.batches()])
@@ -166,7 +197,7 @@ def gradient_reconstruction(work: LayerWork) -> None:
     stream = activations.stream
     data = ReconstructionData(x, y, stream.target_rope, stream.causal_mask if cpu else None)
     with eager_attention(*([target.config] if cpu else [])):
-        report = reconstruct(target, data, exact=work.plan.profile == "exact")
+        report = reconstruct(target, data, exact=work.plan.profile == "exact", compute_dtype=activations.compute)
     report["reconstruction_massive_tokens"] = 0 if massive is None else int(massive.sum())
     state = target.state_dict()
     work.tensors = {name: state[name].to(tensor.dtype).cpu() for name, tensor in tensors.items()}

@@ -179,12 +179,12 @@ def _readout_batches(work: LayerWork, target: torch.nn.Module, with_output: bool
     o_weight = work.source.o_weight.float().to(activations.device) if with_output else None  # residual multiplier folded in
     with eager_attention(target.config):
         for batch in activations.batches():
-            x = activations.normed(activations.hidden[batch])  # (b, L, D)
+            x = activations.normed(activations.hidden[batch])  # (b, L, D), compute dtype
             b = x.shape[0]
             batch_heads = heads[batch].to(activations.device)  # (b, L, H*d)
             t = batch_heads.view(b, L, H, -1).transpose(1, 2)  # (b, H, L, d)
             p_converted = target(x, position_embeddings=stream.target_rope, attention_mask=stream.causal_mask)[1].float()
-            latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r])  # (b, L, r)
+            latent = target.kv_a_layernorm(target.kv_a_proj_with_mqa(x)[..., :r]).float()  # (b, L, r)
             f = p_converted @ latent[:, None]  # (b, H, L, r)
             y = batch_heads @ o_weight.T if with_output else None  # (b, L, D)
             for k in (0, 1):
