@@ -20,6 +20,12 @@ own average rate over the layer loop (``s/layer``, measured inside the child, ``
 ``--max-rss-gib``, one that leaves the machine less than ``--min-free-gib`` of memory, or one still running after
 ``--max-minutes`` is killed and recorded as such (with the RSS it had reached), never given a number it did not reach.
 
+``--compute-dtypes float32 bfloat16`` runs each calibrated mode once per compute dtype (convert's
+``--compute-dtype``, mha2mla/compute.py), side by side in one run:
+
+    OMP_NUM_THREADS=2 python benchmarks/scale.py --shapes llama3-8b --modes calibrated-no-recon --layers 1 \
+        --calib-samples 16 --calib-device cpu --compute-dtypes float32 bfloat16
+
 Per conversion it prints one JSON line; at the end a Markdown table. The full-depth figures (32 / 28 / 80 layers)
 are extrapolated, and labelled so: time = startup + depth x mean layer time + finish; peak RSS = measured peak +
 (depth - layers built) x the measured growth of anonymous memory per layer (0 when it does not grow).
@@ -193,12 +199,12 @@ def _watch(process: subprocess.Popen, watch: Watch, max_rss: int, min_free: int,
         time.sleep(0.1)
 
 
-def convert_command(source: Path, out: Path, mode: str, args) -> list[str]:
+def convert_command(source: Path, out: Path, mode: str, args, compute_dtype: str = "auto") -> list[str]:
     command = [sys.executable, "-m", "mha2mla.cli.main", "convert", str(source), str(out), "--progress", "--force"]
     command += ["--kv-budget", str(args.kv_budget)]
     if mode == "weight-only":
         return command + ["--calib", "none"]
-    command += ["--calib", "default", "--calib-samples", str(args.calib_samples)]
+    command += ["--calib", "default", "--calib-samples", str(args.calib_samples), "--compute-dtype", compute_dtype]
     command += ["--no-reconstruct"] if mode == "calibrated-no-recon" else []
     return command + (["--calib-device", args.calib_device] if args.calib_device else [])
 
@@ -263,7 +269,7 @@ def markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        prefix = f"| {row['shape']} | {row['mode']} |"
+        prefix = f"| {row['shape']} | {row['mode']}{'' if row.get('compute_dtype') is None else ', ' + row['compute_dtype']} |"
         if "seconds_per_layer" not in row:
             lines.append(f"{prefix} {row['status']} | {row['peak_rss_gib']:.2f} | — | {row['full_depth']} | — | — |")
             continue
@@ -289,6 +295,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-free-gib", type=float, default=1.0, help="kill a conversion that leaves less free memory")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="kill a conversion still running after this")
     parser.add_argument("--work", default=str(REPO / ".cache" / "scale"), help="sources (kept) and outputs (removed)")
+    parser.add_argument("--compute-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                        help="calibrated modes: convert once per compute dtype (convert's --compute-dtype)")
     parser.add_argument("--json", default=None, help="also write the rows here (JSON)")
     return parser.parse_args(argv)
 
@@ -302,14 +310,15 @@ def main(argv=None) -> int:
     rows = []
     for name in args.shapes:
         source = build_source(name, args.layers, args.vocab, getattr(torch, args.dtype), work / f"{name}-{args.layers}l")
-        for mode in args.modes:
+        runs = [(mode, dtype) for mode in args.modes for dtype in (args.compute_dtypes if mode != "weight-only" else [None])]
+        for mode, compute_dtype in runs:
             out = work / f"{name}-{args.layers}l-{mode}-out"
-            watch, code, max_rss = run_conversion(convert_command(source, out, mode, args), args)
+            watch, code, max_rss = run_conversion(convert_command(source, out, mode, args, compute_dtype or "auto"), args)
             report = json.loads((out / "conversion_report.json").read_text()) if (out / "conversion_report.json").is_file() else {}
             for leftover in [out, *work.glob(f".{out.name}*")]:  # the output, or what a killed run staged
                 shutil.rmtree(leftover, ignore_errors=True)
             row = summarise(name, mode, args.layers, watch, code, max_rss)
-            row.update(vocab=args.vocab, dtype=args.dtype, kv_budget=args.kv_budget, threads=threads,
+            row.update(vocab=args.vocab, dtype=args.dtype, kv_budget=args.kv_budget, threads=threads, compute_dtype=compute_dtype,
                        calib_samples=args.calib_samples if mode != "weight-only" else None)
             if report:  # the conversion's own figures: seconds per layer, GPU peak when calibrated on one
                 row["report_layer_seconds"] = [layer.get("seconds") for layer in report.get("layers", [])]
