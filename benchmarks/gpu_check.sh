@@ -7,6 +7,8 @@
 #      two; the loss curve against one process, the checkpoint folder, SIGKILL + --resume auto; docs/recover.md).
 #   4. calibrated conversion with --calib-device cuda at Llama-3-70B layer widths (benchmarks/scale.py, 2 layers,
 #      the default 128 calibration sequences): seconds per layer, host peak RSS and the GPU's peak (peak_gpu_gib).
+#   5. the compute-dtype policy on CUDA: the default calibrated conversion (reconstruction included) at Llama-3-8B
+#      widths with --compute-dtype float32 and bfloat16 side by side (benchmarks/scale.py --compute-dtypes).
 # Results land in OUT_DIR (default: $OUT if set, else ./gpu_check_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,5 +47,11 @@ timeout 100 "$PY" benchmarks/scale.py --shapes llama3-70b --modes calibrated --l
 scale_rc=${PIPESTATUS[0]}
 rm -rf "$OUT_DIR/scale"
 
-echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"fsdp_rc\": $fsdp_rc, \"scale_rc\": $scale_rc, \"out_dir\": \"$OUT_DIR\"}"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fsdp_rc" -eq 0 ] && [ "$scale_rc" -eq 0 ]
+timeout 200 "$PY" benchmarks/scale.py --shapes llama3-8b --modes calibrated --layers 2 --calib-samples 128 \
+  --calib-device cuda --compute-dtypes float32 bfloat16 --max-minutes 1.5 --work "$OUT_DIR/scale" \
+  --json "$OUT_DIR/scale_compute_dtype.json" 2>&1 | tee "$OUT_DIR/scale_compute_dtype.txt"
+dtype_rc=${PIPESTATUS[0]}
+rm -rf "$OUT_DIR/scale"
+
+echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"fsdp_rc\": $fsdp_rc, \"scale_rc\": $scale_rc, \"dtype_rc\": $dtype_rc, \"out_dir\": \"$OUT_DIR\"}"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fsdp_rc" -eq 0 ] && [ "$scale_rc" -eq 0 ] && [ "$dtype_rc" -eq 0 ]
