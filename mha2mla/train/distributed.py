@@ -48,7 +48,8 @@ def start_accelerator(mixed_precision: str) -> Accelerator:
     if held != mixed_precision and PartialState().num_processes == 1:
         # accelerate holds one autocast setting per process and refuses another; a lone process may run float32 and
         # bf16 recoveries one after the other (the Python API, benchmarks/recover_speed.py), so it starts afresh.
-        # Accelerators made before keep their own autocast (their native_amp) and their prepared models.
+        # An accelerator made before without autocast keeps none (its native_amp is off), so float32 and bf16 runs
+        # can even alternate when the float32 ones start first (recover_speed.py orders them so).
         AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=mixed_precision)
     if accelerator.distributed_type == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_FSDP"):

@@ -95,3 +95,17 @@ def test_mixed_precision_in_a_recipe_is_read_as_compute_dtype(tmp_path, caplog, 
     assert config.compute_dtype == new and config.mixed_precision is None
     assert "mixed_precision" not in config.model_dump()
     assert f"mixed_precision {old} is deprecated; read as compute_dtype {new}" in caplog.text
+
+
+def test_a_run_saved_with_mixed_precision_resumes_under_compute_dtype(tmp_path):
+    """A run started before compute_dtype existed recorded ``mixed_precision``: resuming it compares the mapped value."""
+    from mha2mla import UserError
+    from mha2mla.train.merge import RECOVER_CONFIG
+    from mha2mla.train.resume import check_same_run
+
+    config = RecoverConfig(model="m", data=["d"], out=str(tmp_path), max_steps=2, compute_dtype="float32")
+    saved = {key: value for key, value in config.outcome_fields().items() if key != "compute_dtype"}
+    (tmp_path / RECOVER_CONFIG).write_text(json.dumps({**saved, "mixed_precision": "no"}))
+    check_same_run(config, tmp_path)
+    with pytest.raises(UserError, match="compute_dtype"):
+        check_same_run(config.model_copy(update={"compute_dtype": "bfloat16"}), tmp_path)
