@@ -6,6 +6,7 @@ docs/recover.md), its options and help generated from these fields (mha2mla/cli/
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -14,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MLA_LORA_TARGETS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 SOURCE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the same budget on an MHA/GQA model
 TRAINABLE_NORMS = ("kv_a_layernorm",)
+# the settings of the retired ``mixed_precision`` key as compute dtypes (old recipes and scripts keep working)
+LEGACY_MIXED_PRECISION = {"auto": "auto", "no": "float32", "bf16": "bfloat16"}
+
+log = logging.getLogger(__name__)
 
 
 class LoraSettings(BaseModel):
@@ -77,7 +82,12 @@ class RecoverConfig(BaseModel):
 
     # runtime
     attn_implementation: Literal["sdpa", "eager", "mha2mla_triton"] = Field("sdpa", description="attention kernel")
-    mixed_precision: Literal["auto", "no", "bf16"] = Field("auto", description="autocast (auto: bf16 on GPU, none on CPU)")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="what the forwards and backwards compute in: bfloat16 (autocast over float32 trainable and "
+        "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU or a CPU with native "
+        "bf16 (AMX, AVX-512 BF16, Arm BF16), else float32")
+    mixed_precision: Literal["auto", "no", "bf16"] | None = Field(
+        None, exclude=True, description="deprecated, read as --compute-dtype (no: float32, bf16: bfloat16, auto: auto)")
     eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: start and end only)")
     save_every: int = Field(50, ge=0, description="steps between checkpoints (0: none)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept")
@@ -87,6 +97,26 @@ class RecoverConfig(BaseModel):
     def _one_source(cls, value):
         """One source given as a plain string (``data: corpus.txt`` in a recipe) is a list of one."""
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_mixed_precision(cls, data):
+        """A ``mixed_precision`` setting (the retired key) becomes ``compute_dtype``, with a deprecation line; one
+        that contradicts a ``compute_dtype`` given beside it is refused. A value it never took is left to the
+        field's own check, which lists the values."""
+        if not isinstance(data, dict):
+            return data
+        old = "no" if data.get("mixed_precision") is False else data.get("mixed_precision")  # YAML reads a bare no as false
+        if old not in LEGACY_MIXED_PRECISION:
+            return data
+        data = {key: value for key, value in data.items() if key != "mixed_precision"}
+        new = LEGACY_MIXED_PRECISION[old]
+        if data.get("compute_dtype", new) != new:
+            raise ValueError(f"mixed_precision {old!r} (deprecated) contradicts compute_dtype {data['compute_dtype']!r}; "
+                             "give compute_dtype only")
+        log.warning("mixed_precision %s is deprecated; read as compute_dtype %s (set compute_dtype / --compute-dtype "
+                    "instead).", old, new)
+        return {**data, "compute_dtype": new}
 
     @model_validator(mode="after")
     def _check(self) -> RecoverConfig:

@@ -18,6 +18,7 @@ state to FSDP with the plugin read from the same ``FSDP_*`` variables; everythin
 from __future__ import annotations
 
 from accelerate import Accelerator, DistributedType, PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import FullyShardedDataParallelPlugin, parse_flag_from_env
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,8 +35,22 @@ SUPPORTED_DISTRIBUTION = (DistributedType.NO, DistributedType.MULTI_GPU, Distrib
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
+def run_device():
+    """The device accelerate will place this process on (read before it starts: the compute dtype depends on it,
+    and accelerate takes its autocast setting only when it starts)."""
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device
+
+
 def start_accelerator(mixed_precision: str) -> Accelerator:
-    """accelerate for one device, DDP or FSDP2; anything else is refused in one sentence."""
+    """accelerate for one device, DDP or FSDP2, with ``mixed_precision`` (bf16 or no); anything else is refused in
+    one sentence."""
+    held = AcceleratorState._shared_state.get("_mixed_precision", mixed_precision)
+    if held != mixed_precision and PartialState().num_processes == 1:
+        # accelerate holds one autocast setting per process and refuses another; a lone process may run float32 and
+        # bf16 recoveries one after the other (the Python API, benchmarks/recover_speed.py), so it starts afresh.
+        # An accelerator made before without autocast keeps none (its native_amp is off), so float32 and bf16 runs
+        # can even alternate when the float32 ones start first (recover_speed.py orders them so).
+        AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=mixed_precision)
     if accelerator.distributed_type == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_FSDP"):
         use_fsdp_on_cpu(accelerator)

@@ -111,7 +111,7 @@ def recovery_report(run) -> dict:
         "trainable_parameters": trainable,
         "total_parameters": total,
         "num_processes": run.world,
-        "mixed_precision": run.mixed_precision,
+        "compute_dtype": run.compute_dtype,  # as resolved for the device (bfloat16: bf16 autocast)
         "resumed_from": str(run.resume_from) if run.resume_from is not None else None,
     }
 

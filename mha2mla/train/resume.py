@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mha2mla import UserError
 from mha2mla.train import checkpoint as ckpt
-from mha2mla.train.config import RecoverConfig, flat_settings
+from mha2mla.train.config import LEGACY_MIXED_PRECISION, RecoverConfig, flat_settings
 from mha2mla.train.merge import RECOVER_CONFIG, RECOVERY_REPORT
 
 
@@ -72,6 +72,8 @@ def check_same_run(config: RecoverConfig, folder: Path) -> None:
     except (ValueError, AttributeError, TypeError) as error:
         raise UserError(f"{saved_path} is damaged ({type(error).__name__}); it records the run's settings: restore it, "
                         "or delete it to resume without checking that the settings are the same.") from None
+    if "mixed_precision" in saved:  # a run started before compute_dtype replaced it
+        saved.setdefault("compute_dtype", LEGACY_MIXED_PRECISION.get(saved.pop("mixed_precision")))
     current = flat_settings(config.outcome_fields())
     changed = sorted(key for key in current if saved.get(key) != current[key])
     if changed:

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, parse_flag_from_env, set_seed
+from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
+from mha2mla.compute import resolve_compute_dtype, torch_dtype
 from mha2mla.train import checkpoint as ckpt
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.data import PackedSequences, RowOrder, prepare_data, target_mask
@@ -34,6 +35,7 @@ from mha2mla.train.distributed import (
     gathered_trainable,
     is_sharded,
     load_optimizer_state,
+    run_device,
     start_accelerator,
 )
 from mha2mla.train.evaluate import packed_perplexity
@@ -72,7 +74,7 @@ class RecoveryRun:
         self.resume_from: Path | None = None
         self._saved: dict | None = None  # what the checkpoint resumed from holds, read back in setup()
         self.accelerator: Accelerator | None = None
-        self.mixed_precision = "no"
+        self.compute_dtype = "float32"  # resolved from config.compute_dtype when accelerate starts
         self.world, self.rank, self.is_main = 1, 0, True
         self.model = self.teacher = self.optimizer = self.scheduler = self.tokenizer = None
         self.params: list[torch.nn.Parameter] = []
@@ -106,19 +108,20 @@ class RecoveryRun:
         student = make_trainable(student, None if config.full_attention else config.lora)
         teacher = None
         if config.teacher is not None:
-            teacher = load_teacher(config.teacher, config.attn_implementation)
+            teacher = load_teacher(config.teacher, config.attn_implementation, torch_dtype(self.compute_dtype))
             check_teacher_matches(student, teacher)
         self.setup_training(student, teacher)
         open_run_folder(self)
 
     def start_accelerator(self) -> Accelerator:
-        """accelerate for one device, DDP or FSDP2 (distributed.py; ``mixed_precision`` auto: bf16 on a GPU, none
-        on CPU)."""
-        mixed = self.config.mixed_precision
-        if mixed == "auto":
-            mixed = "bf16" if torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU") else "no"
-        accelerator = start_accelerator(mixed)
-        self.accelerator, self.mixed_precision = accelerator, mixed
+        """accelerate for one device, DDP or FSDP2 (distributed.py), and the run's compute dtype, decided here once
+        from ``compute_dtype`` and the device (mha2mla.compute). bfloat16 is accelerate's bf16 autocast, the same
+        on CPU and GPU: the student's weights stay float32 (the trainable ones are AdamW's master weights, the
+        merge reads them), the matmuls and attention of every forward and backward run in bf16, the losses in
+        float32 (losses.py). float32 is no autocast at all."""
+        self.compute_dtype = resolve_compute_dtype(self.config.compute_dtype, run_device().type)
+        accelerator = start_accelerator("bf16" if self.compute_dtype == "bfloat16" else "no")
+        self.accelerator = accelerator
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.is_main = accelerator.is_main_process
         return accelerator
@@ -130,7 +133,7 @@ class RecoveryRun:
         config = self.config
         accelerator = self.accelerator or self.start_accelerator()
         if teacher is not None:
-            teacher.to(accelerator.device, dtype=torch.bfloat16 if self.mixed_precision == "bf16" else torch.float32)
+            teacher.to(accelerator.device, dtype=torch_dtype(self.compute_dtype))  # no grad: no master weights
         self.teacher = teacher
         self.parameter_counts = count_parameters(model)
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]

@@ -279,6 +279,9 @@ def test_recipe_recover_section_with_flags_over_it(tiny_mla, corpus, tmp_path, m
         ("  schedule: cosin\n", [], "`schedule` under `recover:` in"),
         ("", ["--schedule", "cosin"], "--schedule must be one of 'cosine', 'linear' or 'constant', not 'cosin'."),
         ("", ["--mixed-precision", "fp16"], "--mixed-precision must be one of 'auto', 'no' or 'bf16'"),
+        ("", ["--compute-dtype", "float16"], "--compute-dtype must be one of 'auto', 'float32' or 'bfloat16'"),
+        ("  mixed_precision: bf16\n", ["--compute-dtype", "float32"], "mixed_precision 'bf16' (deprecated) contradicts "
+         "compute_dtype 'float32'; give compute_dtype only."),
         ("", ["--lora-rank", "0"], "invalid --lora-rank: input should be greater than or equal to 1."),
         ("", None, "give --out (or `out:` under `recover:` in a --recipe)."),  # None: no --out either
     ],

@@ -28,11 +28,11 @@ FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
     "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "DeepseekV3DecoderLayer",
 }
-# 40 steps of 2 micro-batches (no_sync on the first) of 2 rows per process, fp32; 5 held-out rows, so two processes
-# score 3 and 2 rows.
+# 40 steps of 2 micro-batches (no_sync on the first) of 2 rows per process, in float32 (one process and two must give
+# the same curve); 5 held-out rows, so two processes score 3 and 2 rows.
 SETTINGS = ["--max-steps", "40", "--seq-len", "32", "--grad-accum", "2", "--lr", "2e-3", "--warmup-steps", "3",
             "--lora-rank", "4", "--eval-sequences", "5", "--eval-every", "10", "--save-every", "10",
-            "--mixed-precision", "no", "--no-progress"]
+            "--compute-dtype", "float32", "--no-progress"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,111 @@
+"""The compute dtype of `mha2mla recover` (docs/recover.md, "Compute dtype"): decided once per run from
+``compute_dtype`` and the device; bfloat16 is bf16 autocast over float32 weights (the trainable ones are AdamW's
+master weights) on CPU as on GPU, float32 is no autocast; the merged output keeps the model's dtype; the retired
+``mixed_precision`` key is read as ``compute_dtype`` with a deprecation line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from common import SAMPLE_TEXT
+from safetensors.torch import load_file
+
+import mha2mla.compute
+from mha2mla.recipes import build_settings
+from mha2mla.train import RecoverConfig, recover
+from mha2mla.train.data import pack_token_lists
+from mha2mla.train.model import load_student, make_trainable
+from mha2mla.train.run import RecoveryRun
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "a.txt").write_text(SAMPLE_TEXT * 6)
+    return folder
+
+
+def _config(model, data, out, **overrides) -> RecoverConfig:
+    settings = {"model": str(model), "data": [str(data)], "out": str(out), "seq_len": 32, "batch_size": 4,
+                "max_steps": 12, "learning_rate": 1e-2, "lora": {"rank": 8}, "eval_sequences": 4, "eval_every": 0,
+                "save_every": 0}
+    return RecoverConfig(**{**settings, **overrides})
+
+
+def _one_step_dtypes(config: RecoverConfig, model_folder) -> tuple[RecoveryRun, torch.dtype, set[torch.dtype]]:
+    """A run's policy after one train step: (the run, the dtype of a LoRA A matmul's output inside the forward,
+    the dtypes of the trainable parameters and of their gradients)."""
+    run = RecoveryRun(config, show_progress=False)
+    run.start_accelerator()
+    model = make_trainable(load_student(model_folder), config.lora)
+    seen = []
+    lora_a = next(module for name, module in model.named_modules() if name.endswith("q_proj.lora_A.default"))
+    lora_a.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    grads = []
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda grad: grads.append(grad.dtype))
+    run.setup_training(model)
+    run.train_step(pack_token_lists([list(range(1, 200))], seq_len=16).rows(slice(0, 4)))
+    params = {p.dtype for p in run.model.parameters()}
+    return run, seen[0], params | set(grads)
+
+
+@pytest.mark.parametrize("name, mixed, compute", [("bfloat16", "bf16", torch.bfloat16), ("float32", "no", torch.float32)])
+def test_policy_follows_compute_dtype(tiny_mla, tmp_path, name, mixed, compute):
+    run, inside, stored = _one_step_dtypes(_config(tiny_mla, tiny_mla, tmp_path / "o", compute_dtype=name), tiny_mla)
+    assert run.compute_dtype == name and run.accelerator.mixed_precision == mixed
+    assert inside == compute  # what the matmuls ran in
+    assert stored == {torch.float32}  # weights (frozen and master) and gradients: float32 either way
+
+
+@pytest.mark.parametrize("flags, expected", [({"avx512_bf16"}, "bfloat16"), ({"amx_bf16"}, "bfloat16"), (set(), "float32")])
+def test_auto_resolves_from_the_cpu(tiny_mla, tmp_path, monkeypatch, flags, expected):
+    monkeypatch.setattr(mha2mla.compute, "cpu_flags", lambda *args: set(flags))
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    run = RecoveryRun(_config(tiny_mla, tiny_mla, tmp_path / "o"), show_progress=False)
+    run.start_accelerator()
+    assert run.compute_dtype == expected
+    assert run.accelerator.mixed_precision == ("bf16" if expected == "bfloat16" else "no")
+
+
+def test_bf16_recovery_lowers_the_loss_and_keeps_the_output_dtype(tiny_mla, corpus, tmp_path):
+    out = tmp_path / "recovered"
+    report = recover(_config(tiny_mla, corpus, out, compute_dtype="bfloat16"), show_progress=False)
+    assert report["compute_dtype"] == "bfloat16" and "mixed_precision" not in report
+    assert sum(report["losses"][-3:]) < sum(report["losses"][:3])
+    assert report["evaluations"][-1]["perplexity"] < report["evaluations"][0]["perplexity"]
+    source_dtype = json.loads((tiny_mla / "config.json").read_text())["dtype"]
+    assert json.loads((out / "config.json").read_text())["dtype"] == source_dtype
+    written = load_file(str(out / "model.safetensors"))
+    assert {tensor.dtype for tensor in written.values()} == {getattr(torch, source_dtype)}
+    settings = json.loads((out / "recovery_report.json").read_text())["settings"]
+    assert settings["compute_dtype"] == "bfloat16" and "mixed_precision" not in settings
+
+
+@pytest.mark.parametrize("old, new", [("no", "float32"), ("bf16", "bfloat16"), ("auto", "auto")])
+def test_mixed_precision_in_a_recipe_is_read_as_compute_dtype(tmp_path, caplog, old, new):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"recover:\n  data: corpus.txt\n  max_steps: 2\n  mixed_precision: {old}\n")
+    with caplog.at_level(logging.WARNING):
+        config = build_settings("recover", recipe, {"model": "m", "out": "o"})
+    assert config.compute_dtype == new and config.mixed_precision is None
+    assert "mixed_precision" not in config.model_dump()
+    assert f"mixed_precision {old} is deprecated; read as compute_dtype {new}" in caplog.text
+
+
+def test_a_run_saved_with_mixed_precision_resumes_under_compute_dtype(tmp_path):
+    """A run started before compute_dtype existed recorded ``mixed_precision``: resuming it compares the mapped value."""
+    from mha2mla import UserError
+    from mha2mla.train.merge import RECOVER_CONFIG
+    from mha2mla.train.resume import check_same_run
+
+    config = RecoverConfig(model="m", data=["d"], out=str(tmp_path), max_steps=2, compute_dtype="float32")
+    saved = {key: value for key, value in config.outcome_fields().items() if key != "compute_dtype"}
+    (tmp_path / RECOVER_CONFIG).write_text(json.dumps({**saved, "mixed_precision": "no"}))
+    check_same_run(config, tmp_path)
+    with pytest.raises(UserError, match="compute_dtype"):
+        check_same_run(config.model_copy(update={"compute_dtype": "bfloat16"}), tmp_path)
