@@ -36,7 +36,9 @@ def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T + bias`` for a plain or a :func:`pack`-ed weight; x (..., K) -> (..., N)."""
+    """``x @ weight^T + bias`` for a plain or a :func:`pack`-ed weight; x (..., K) -> (..., N) in the weight's dtype.
+    x is cast to the weight's dtype first (the model's float32 residual stream entering a bf16 matmul)."""
+    x = x.to(weight.dtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

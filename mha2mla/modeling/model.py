@@ -15,6 +15,13 @@ The model computes DeepSeek-V3 itself from the checkpoint's tensors (read lazily
 Logits equal transformers' ``DeepseekV3ForCausalLM`` on the same checkpoint (tests/modeling/test_generate.py). The
 generation loop, sampling and detokenisation live in :mod:`mha2mla.modeling.generate`.
 
+Dtypes: the weights, the matmuls, the attention and the latent cache are in the model's ``dtype`` (the compute
+dtype, float32 or bfloat16); the residual stream (embedding, the adds of every attention and MLP output, the
+norms that read it) stays float32 in every dtype, and each matmul reads its input cast to the weights' dtype. In
+bf16 that costs a cast of a few rows per matmul in decode and spares the stream a bf16 rounding at every add,
+which transformers' bf16 model takes (and which moves logits most); logits are returned float32. In float32
+nothing changes.
+
     model = MLAModel.from_pretrained("out/smollm2-mla", device="cpu")
     cache = model.new_cache(batch_size=1, max_tokens=64)
     logits = model.prefill(cache, [[1, 2, 3]])
@@ -198,7 +205,7 @@ class MLAModel:
         for row, prompt in enumerate(prompts):  # padding out of every real token's view
             ids[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
         cos, sin = self.rope.cos_sin(torch.arange(T, device=self.device), self.dtype)  # (T, d_r/2)
-        hidden = F.embedding(ids, self.embed)  # (B, T, D)
+        hidden = F.embedding(ids, self.embed).float()  # (B, T, D) the residual stream: float32 in every dtype
         for index, w in enumerate(self.layers):
             x = rms_norm(hidden, w.input_norm, self.config.rms_norm_eps)
             q = self._query(w, x).view(B, T, H, d_n + d_r).transpose(1, 2)  # (B, H, T, d_n+d_r)
@@ -225,7 +232,7 @@ class MLAModel:
         positions = cache.lengths  # (B,) position of the new token in each row
         lengths_after, max_after = positions + 1, cache.max_length + 1
         cos, sin = self.rope.cos_sin(positions, self.dtype)  # (B, d_r/2)
-        hidden = F.embedding(tokens.to(self.device), self.embed)  # (B, D)
+        hidden = F.embedding(tokens.to(self.device), self.embed).float()  # (B, D) float32 residual stream
         for index, w in enumerate(self.layers):
             x = rms_norm(hidden, w.input_norm, self.config.rms_norm_eps)
             q = self._query(w, x).view(B, H, d_n + d_r)

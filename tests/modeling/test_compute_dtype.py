@@ -56,9 +56,10 @@ def test_unknown_compute_dtype_is_a_user_error(folder):
 
 
 def test_bfloat16_decode_agrees_with_float32(folder):
-    """bf16 tolerance: bf16 keeps 8 significant bits (a relative rounding of 2^-9 per operation), so logits of
-    several units move by a few hundredths to tenths; the greedy choice agrees wherever float32's top two logits
-    are not within that. The bf16 run is fed float32's tokens so that both score the same positions."""
+    """bf16 tolerance on a tiny model whose logits are a few units: bf16 keeps 8 significant bits (a relative
+    rounding of 2^-9 per operation), so logits move by about a tenth at most, the log-probability of float32's
+    greedy token by a few hundredths, and the greedy choice agrees except at near ties (the bounds leave twice
+    the movement seen on this model). The bf16 run is fed float32's tokens so that both score the same positions."""
     engines = {name: MLAEngine.from_pretrained(folder, compute_dtype=name, load_tokenizer=False)
                for name in ("float32", "bfloat16")}
     [reference] = engines["float32"].generate([PROMPTS[0]], max_new_tokens=32, eos_token_ids=[], return_logits=True)
@@ -71,9 +72,9 @@ def test_bfloat16_decode_agrees_with_float32(folder):
     assert got.dtype == torch.float32
     expected = reference.logits
     assert expected.abs().max() > 2.0  # logits of several units, not near zero
-    assert (got - expected).abs().max() < 0.3
+    assert (got - expected).abs().max() < 0.25
     logprob_gap = (got.log_softmax(-1) - expected.log_softmax(-1)).gather(-1, expected.argmax(-1, keepdim=True))
-    assert logprob_gap.abs().max() < 0.3
+    assert logprob_gap.abs().max() < 0.1
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
