@@ -21,7 +21,8 @@ tensors after the last step (context + warmup + steps tokens). Prints JSON and a
 Compute dtypes (docs/generate.md): ``--compute-dtypes float32 bfloat16`` runs the engine in both, side by side on
 the same decode steps (each prefills in its own dtype; bfloat16 is fed float32's greedy tokens), and adds their
 decode tokens/s ratio and how far bf16's logits move from float32's (max abs Δ logit, max abs Δ logprob of
-float32's top-1 token, top-1 agreement; the tolerance is stated in benchmarks/decode_dtypes.py). The float32 vs
+float32's top-1 token, top-1 agreement), judged against transformers' own DeepseekV3 in bf16 on the same tokens
+(the tolerance is stated in benchmarks/decode_dtypes.py; ``--no-transformers-reference`` skips it). The float32 vs
 bfloat16 measurement of docs/benchmarks.md (about 3 minutes on an idle 2-core CPU):
 
     MHA2MLA_CACHE=.cache .venv/bin/python benchmarks/decode.py \
@@ -48,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.decode_dtypes import dtype_comparisons, logits_agreement, time_engine_decode
+from benchmarks.decode_dtypes import dtype_comparisons, logits_agreement, time_engine_decode, transformers_agreement
 from benchmarks.decode_dtypes import markdown as dtype_markdown
 from mha2mla.modeling.model import MLAModel
 
@@ -142,7 +143,8 @@ def _engine_name(dtype: str) -> str:
     return "mla-engine" if dtype == "float32" else f"mla-engine-{ {'bfloat16': 'bf16'}.get(dtype, dtype) }"
 
 
-def _engines_at(engines: dict, context: int, batches: list[int], ids: list[int], args, rows, agreements) -> dict:
+def _engines_at(engines: dict, context: int, batches: list[int], ids: list[int], args, rows, agreements,
+                fed_tokens) -> dict:
     """Every compute dtype's engine at one context: its own prefill, then for each batch the decode steps, the
     first dtype choosing the greedy tokens and the others fed the same ones. Returns {dtype: (cache, first logits)}
     for the hf-mla handover."""
@@ -165,6 +167,7 @@ def _engines_at(engines: dict, context: int, batches: list[int], ids: list[int],
             logits = [first_logits.repeat(batch, 1)] + logits  # every position: the prompt's last, then each step
             if reference is None:
                 reference, forced = logits, fed
+                fed_tokens[context] = [int(t[0]) for t in fed]  # row 0, for transformers' reference
             else:
                 agreements[(context, batch, dtype)] = logits_agreement(reference, logits)
             del cache
@@ -196,11 +199,14 @@ def run(args) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     all_ids = held_out_token_ids(tokenizer, "kjv", num_tokens=max(contexts))
-    rows, checks, agreements = [], [], {}
+    rows, checks, agreements, fed_tokens, references = [], [], {}, {}, {}
     for context in contexts:
         prompt = torch.tensor([all_ids[:context]])  # (1, T)
         tokens_in_cache = context + args.warmup + args.steps
-        prefilled = _engines_at(engines, context, batches, all_ids, args, rows, agreements)
+        prefilled = _engines_at(engines, context, batches, all_ids, args, rows, agreements, fed_tokens)
+        if len(engines) > 1 and not args.no_transformers_reference:
+            print(f"context {context}: transformers float32 and bfloat16 (the bf16 bar) ...", file=sys.stderr, flush=True)
+            references[context] = transformers_agreement(converted, all_ids[:context], fed_tokens[context])
         handover_dtype = "float32" if "float32" in prefilled else next(iter(prefilled))
         engine_cache, engine_logits = prefilled[handover_dtype]
         engine_first = engine_logits.argmax(-1)
@@ -257,7 +263,7 @@ def run(args) -> dict:
         "torch": torch.__version__,
         "results": rows,
         "checks": checks,
-        "compute_dtype_comparison": dtype_comparisons(rows, agreements),
+        "compute_dtype_comparison": dtype_comparisons(rows, agreements, references),
     }
 
 
@@ -306,6 +312,8 @@ def main() -> None:
                         help="comma-separated: source, hf-mla, mla-engine (the engine always runs: the others need it)")
     parser.add_argument("--compute-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                         help="the engine's compute dtypes, side by side on the same steps (the first chooses the tokens)")
+    parser.add_argument("--no-transformers-reference", action="store_true",
+                        help="skip transformers' float32 and bf16 forwards that set the bf16 tolerance")
     parser.add_argument("--hf-own-prefill", action="store_true", help="let transformers' DeepseekV3 run its own prefill")
     parser.add_argument("--standin", action="store_true", help="use a random SmolLM2-shaped MLA model if none is converted")
     parser.add_argument("--json-out", default=None)

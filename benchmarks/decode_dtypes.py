@@ -1,17 +1,23 @@
 """The compute-dtype half of benchmarks/decode.py: the latent-cache engine in float32 and bfloat16 on the same
 decode steps, its speed ratio and how far the bf16 logits move (the command is in decode.py's docstring).
 
-bf16 tolerance, as this benchmark states it: bf16 keeps 8 significant bits (a relative rounding of 2^-9 per
-operation) and the weights, activations and cache carry it through every layer, so no logit is exact; what
-generation depends on is the probability of the likely token and the greedy choice. A run is within tolerance
-(``within_bf16_tolerance``) when, over every decoded position and row:
+bf16 tolerance, as this benchmark states it. bf16 keeps 8 significant bits (a relative rounding of 2^-9 per
+operation) and the weights, activations and cache carry it through every layer, so no logit is exact, and how far
+logits move depends on the model; the accepted bar for "runs fine in bf16" is the model's own transformers
+implementation in bf16. So for every context the converted checkpoint also runs through transformers'
+DeepseekV3 in float32 and in bfloat16 on the same tokens (one forward over the prompt and the fed tokens), and
+the engine's bf16 is within tolerance (``within_bf16_tolerance``) when, over every decoded position and row:
 
-- max |Δ logprob| of float32's top-1 token <= 0.5 nats (that token's probability within a factor about 1.65);
-- top-1 agreement >= 90 %;
-- every disagreement is a near tie: float32's own top-1 and top-2 logits within 0.25, the spacing of bf16 numbers
-  between 32 and 64: two logits of that size that close are a tie at the resolution of a bf16 logit.
+- its max |Δ logit| and its median |Δ logprob| of float32's top-1 token are of the same order as transformers'
+  bf16's: at most 1.5 times them. Not "no larger": the engine rounds in other places (absorbed decode, a bf16
+  cache read by its own attention) and a few dozen positions are a small sample (bf16 kernels also round
+  differently for different row counts, so batch sizes differ). The median, because the largest of a few dozen
+  positions swings more; the max is reported next to transformers';
+- every top-1 disagreement is a near tie: float32's own top-1 and top-2 logits within 0.25, the spacing of bf16
+  numbers between 32 and 64 (a tie at the resolution of a bf16 logit of that size). How often near ties occur
+  depends on the text and the model, so top-1 agreement itself is reported, not judged.
 
-max |Δ logit| (the whole vocabulary) and max |Δ logprob| over float32's top-10 tokens are reported, not judged.
+max |Δ logprob| over float32's top-10 tokens is reported too.
 """
 
 from __future__ import annotations
@@ -21,9 +27,8 @@ import time
 import torch
 
 TOP_K = 10
-MAX_TOP1_LOGPROB_DIFF = 0.5  # nats, at float32's top-1 token
-MIN_TOP1_AGREEMENT = 0.9
 NEAR_TIE = 0.25  # logits: the spacing of bf16 numbers in [32, 64)
+SAME_ORDER = 1.5  # the engine's deviation against transformers' bf16's
 
 
 def time_engine_decode(engine, cache, first_token: torch.Tensor, warmup: int, steps: int,
@@ -66,13 +71,34 @@ def logits_agreement(reference: list[torch.Tensor], other: list[torch.Tensor]) -
         "top1_agreement": round(float(agree.float().mean()), 4),
         "top1_disagreement_max_f32_margin": round(disagreement_margin, 4),
     }
-    result["within_bf16_tolerance"] = (
-        result["max_abs_logprob_diff_top1"] <= MAX_TOP1_LOGPROB_DIFF and result["top1_agreement"] >= MIN_TOP1_AGREEMENT
-        and disagreement_margin <= NEAR_TIE)
     return result
 
 
-def dtype_comparisons(rows: list[dict], agreements: dict) -> list[dict]:
+def transformers_agreement(converted, prompt: list[int], fed: list[int]) -> dict:
+    """transformers' DeepseekV3 of the converted checkpoint in bfloat16 against float32 over the positions the
+    engine decoded: one forward over ``prompt + fed``, logits from the prompt's last token on."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([prompt + fed])
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).eval()
+        with torch.inference_mode():
+            logits[dtype] = model(ids).logits[0, len(prompt) - 1 :].float()  # (len(fed) + 1, V)
+        del model
+    return logits_agreement([logits[torch.float32]], [logits[torch.bfloat16]])
+
+
+def judge(engine: dict, transformers: dict | None) -> bool | None:
+    """The engine's bf16 against the tolerance above (None without transformers' reference)."""
+    if transformers is None:
+        return None
+    return (engine["max_abs_logit_diff"] <= SAME_ORDER * transformers["max_abs_logit_diff"]
+            and engine["median_abs_logprob_diff_top1"] <= SAME_ORDER * transformers["median_abs_logprob_diff_top1"]
+            and engine["top1_disagreement_max_f32_margin"] <= NEAR_TIE)
+
+
+def dtype_comparisons(rows: list[dict], agreements: dict, references: dict) -> list[dict]:
     """One row per (context, batch, reduced dtype): its decode tokens/s against float32's, and its logits."""
     engines = {(r["context"], r["batch"], r["compute_dtype"]): r for r in rows if r.get("compute_dtype")}
     out = []
@@ -86,21 +112,34 @@ def dtype_comparisons(rows: list[dict], agreements: dict) -> list[dict]:
             "ratio_vs_float32": round(row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3),
             "prefill_ratio_vs_float32": round(base["prefill_s"] / row["prefill_s"], 3) if row["prefill_s"] else None,
             **agreements[(context, batch, dtype)],
+            "transformers_bf16": references.get(context),
+            "within_bf16_tolerance": judge(agreements[(context, batch, dtype)], references.get(context)),
         })
     return out
 
 
 def markdown(comparisons: list[dict]) -> str:
+    """The engine's bf16 rows, each context's transformers bf16 reference row (batch 1, no speed) after them."""
     lines = [
-        "| context | batch | dtype | fp32 tok/s | tok/s | × fp32 | max abs Δ logit | max abs Δ logprob (top-1) | top-1 agree "
-        "| within tolerance |",
+        "| context | batch | run | fp32 tok/s | tok/s | × fp32 | max abs Δ logit | abs Δ logprob top-1: median / max "
+        "| top-1 agree | within tolerance |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
+    shown = set()
     for c in comparisons:
+        verdict = {True: "yes", False: "no", None: ""}[c["within_bf16_tolerance"]]
         lines.append(
-            f"| {c['context']} | {c['batch']} | {c['compute_dtype']} | {c['float32_tokens_per_s']:.2f} | "
+            f"| {c['context']} | {c['batch']} | mla-engine {c['compute_dtype']} | {c['float32_tokens_per_s']:.2f} | "
             f"{c['tokens_per_s']:.2f} | {c['ratio_vs_float32']:.2f} | {c['max_abs_logit_diff']:.3f} | "
-            f"{c['max_abs_logprob_diff_top1']:.3f} | {100 * c['top1_agreement']:.1f}% | "
-            f"{'yes' if c['within_bf16_tolerance'] else 'no'} |"
+            f"{c['median_abs_logprob_diff_top1']:.3f} / {c['max_abs_logprob_diff_top1']:.3f} | "
+            f"{100 * c['top1_agreement']:.1f}% | {verdict} |"
         )
+        reference = c["transformers_bf16"]
+        if reference is not None and c["context"] not in shown:
+            shown.add(c["context"])
+            lines.append(
+                f"| {c['context']} | 1 | transformers bfloat16 (the bar) |  |  |  | {reference['max_abs_logit_diff']:.3f} | "
+                f"{reference['median_abs_logprob_diff_top1']:.3f} / {reference['max_abs_logprob_diff_top1']:.3f} | "
+                f"{100 * reference['top1_agreement']:.1f}% |  |"
+            )
     return "\n".join(lines)
