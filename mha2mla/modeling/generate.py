@@ -137,7 +137,7 @@ class MLAEngine:
         if not isinstance(device, torch.device):
             device = resolve_device(device)
         resolved = resolve_compute_dtype(compute_dtype, str(device))
-        log.info("decoding in %s (compute dtype %s on %s)", resolved, compute_dtype, device)
+        log.debug("decoding in %s (compute dtype %s on %s)", resolved, compute_dtype, device)
         model = MLAModel.from_pretrained(folder, device=device, dtype=torch_dtype(resolved),
                                          decode_attention=decode_attention)
         tokenizer = None
