@@ -23,7 +23,8 @@ the same decode steps (each prefills in its own dtype; bfloat16 is fed float32's
 decode tokens/s ratio and how far bf16's logits move from float32's (max abs Δ logit, max abs Δ logprob of
 float32's top-1 token, top-1 agreement), judged against transformers' own DeepseekV3 in bf16 on the same tokens
 (the tolerance is stated in benchmarks/decode_dtypes.py; ``--no-transformers-reference`` skips it). The float32 vs
-bfloat16 measurement of docs/benchmarks.md (about 3 minutes on an idle 2-core CPU):
+bfloat16 measurement of docs/benchmarks.md (a few minutes on an idle 2-core CPU, most of it the 4K-token prefills
+and transformers' two reference forwards):
 
     MHA2MLA_CACHE=.cache .venv/bin/python benchmarks/decode.py \
         --converted .cache/converted/smollm2-135m-kv0.125 --models mla-engine --compute-dtypes float32 bfloat16 \
