@@ -14,7 +14,7 @@ from mha2mla.cli.settings import Flags, with_settings
 from mha2mla.generation import GenerateConfig
 
 FLAGS = Flags(
-    settings=("prompt", "max_new_tokens", "temperature", "top_p", "seed", "device", "dtype", "chat", "ignore_eos"),
+    settings=("prompt", "max_new_tokens", "temperature", "top_p", "seed", "device", "compute_dtype", "dtype", "chat", "ignore_eos"),
     names={"prompt": ("--prompt", "-p"), "max_new_tokens": ("--max-new-tokens", "-n")},
 )
 
@@ -31,10 +31,10 @@ def generate(
 
     from mha2mla.modeling.generate import MLAEngine
 
-    device, dtype = settings.device, settings.dtype
+    device = settings.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu.")
-    engine = MLAEngine.from_pretrained(model, device=device, dtype=dtype)
+    engine = MLAEngine.from_pretrained(model, device=device, compute_dtype=settings.compute_dtype)
     prompts: list = list(settings.prompt)
     if settings.chat:
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):

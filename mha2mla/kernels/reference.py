@@ -134,10 +134,20 @@ def latent_cache_decode_reference(
     query (B, H, r + d_r) = ``[W_UK^T q_nope ; q_pe]`` per head, cache_layer (B, T_max, r + d_r) = ``[c ; k_pe]``
     per token, lengths (B,) valid rows (the new token already written), max_length = max(lengths) ->
     o_lat (B, H, r) in query's dtype. Unlike :func:`mla_decode_latent_reference` (the fp32 ground truth of the
-    kernel tests) the two matmuls run in the cache dtype, only the softmax in fp32: it is the fast fallback."""
+    kernel tests) the two matmuls run in the cache dtype, only the softmax in fp32: it is the fast fallback.
+
+    In bf16/fp16 the scores are computed as ``keys @ query^T``: a reduced-precision bmm copies a transposed right
+    operand first, which for ``query @ keys^T`` would be the whole cache slice on every layer of every step (the
+    CPU's case); the same dot products either way. float32 keeps ``query @ keys^T``."""
     keys = cache_layer[:, :max_length]  # (B, T, r + d_r): one matmul scores against latent and rope key together
-    scores = torch.matmul(query, keys.transpose(1, 2)).float() * scale  # (B, H, T)
     invalid = torch.arange(max_length, device=query.device)[None, :] >= lengths[:, None]  # (B, T)
+    if query.dtype != torch.float32:
+        scores = torch.matmul(keys, query.transpose(1, 2)).transpose(1, 2)  # (B, H, T) view of (B, T, H)
+        scores = scores.to(torch.float32, memory_format=torch.contiguous_format).mul_(scale)
+        mask = torch.zeros(invalid.shape, dtype=torch.float32, device=query.device).masked_fill_(invalid, float("-inf"))
+        probs = torch.softmax(scores.add_(mask[:, None, :]), dim=-1).to(query.dtype)  # (B, H, T)
+        return torch.matmul(probs, keys[..., :kv_lora_rank])  # (B, H, r)
+    scores = torch.matmul(query, keys.transpose(1, 2)).float() * scale  # (B, H, T)
     scores = scores.masked_fill(invalid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)  # (B, H, T)
     return torch.matmul(probs, keys[..., :kv_lora_rank])  # (B, H, r)

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from mha2mla import UserError
+from mha2mla.compute import resolve_compute_dtype, torch_dtype
 from mha2mla.devices import resolve_device
 from mha2mla.modeling.model import MLAModel
 
@@ -118,16 +119,27 @@ class MLAEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
 
+    @property
+    def compute_dtype(self) -> str:
+        """The resolved compute dtype, ``float32`` or ``bfloat16``: weights, activations and cache of the decode."""
+        return str(self.model.dtype).removeprefix("torch.")
+
     @classmethod
-    def from_pretrained(cls, folder: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | str | None = None, load_tokenizer: bool = True,
-                        decode_attention: str = "auto") -> MLAEngine:
-        """Load a converted checkpoint folder: the model (see :meth:`MLAModel.from_pretrained` for ``dtype`` and
-        ``decode_attention``), the tokenizer when the folder has one, and the EOS ids."""
+    def from_pretrained(cls, folder: str | Path, device: str | torch.device = "cpu", compute_dtype: str = "auto",
+                        load_tokenizer: bool = True, decode_attention: str = "auto") -> MLAEngine:
+        """Load a converted checkpoint folder: the model, the tokenizer when the folder has one, and the EOS ids.
+
+        ``compute_dtype`` (auto, float32, bfloat16) is decided here, once, by
+        :func:`mha2mla.compute.resolve_compute_dtype` for the device: it is the dtype of the weights, the
+        activations and the latent cache (logits are float32 either way); see :meth:`MLAModel.from_pretrained`
+        for ``decode_attention``."""
         folder = Path(folder)
         if not isinstance(device, torch.device):
             device = resolve_device(device)
-        model = MLAModel.from_pretrained(folder, device=device, dtype=dtype, decode_attention=decode_attention)
+        resolved = resolve_compute_dtype(compute_dtype, str(device))
+        log.debug("decoding in %s (compute dtype %s on %s)", resolved, compute_dtype, device)
+        model = MLAModel.from_pretrained(folder, device=device, dtype=torch_dtype(resolved),
+                                         decode_attention=decode_attention)
         tokenizer = None
         if load_tokenizer:
             try:

@@ -15,6 +15,13 @@ The model computes DeepSeek-V3 itself from the checkpoint's tensors (read lazily
 Logits equal transformers' ``DeepseekV3ForCausalLM`` on the same checkpoint (tests/modeling/test_generate.py). The
 generation loop, sampling and detokenisation live in :mod:`mha2mla.modeling.generate`.
 
+Dtypes: the weights, the matmuls, the attention and the latent cache are in the model's ``dtype`` (the compute
+dtype, float32 or bfloat16); the residual stream (embedding, the adds of every attention and MLP output, the
+norms that read it) stays float32 in every dtype, and each matmul reads its input cast to the weights' dtype. In
+bf16 that costs a cast of a few rows per matmul in decode and spares the stream a bf16 rounding at every add,
+which transformers' bf16 model takes (and which moves logits most); logits are returned float32. In float32
+nothing changes.
+
     model = MLAModel.from_pretrained("out/smollm2-mla", device="cpu")
     cache = model.new_cache(batch_size=1, max_tokens=64)
     logits = model.prefill(cache, [[1, 2, 3]])
@@ -34,11 +41,13 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from mha2mla import UserError
+from mha2mla.compute import resolve_compute_dtype, torch_dtype
 from mha2mla.io.reader import LazyCheckpoint
 from mha2mla.kernels.backend import decode_attention_backend
 from mha2mla.kernels.ops import latent_cache_decode
 from mha2mla.modeling.absorbed import load_absorbed, softmax_scale
 from mha2mla.modeling.latent_cache import LatentCache
+from mha2mla.modeling.linear import linear, pack, pack_layer, packing_applies
 from mha2mla.modeling.rmsnorm import rms_norm
 from mha2mla.modeling.weights import LayerWeights, check_absorbed_index, check_config, load_layer
 
@@ -120,16 +129,17 @@ class MLAModel:
                         dtype: torch.dtype | str | None = None, decode_attention: str = "auto") -> MLAModel:
         """Load the weights of a converted checkpoint folder (config, safetensors, absorbed weights).
 
-        dtype defaults to float32 on CPU and bfloat16 on CUDA. decode_attention: "torch" (plain PyTorch),
-        "kernel" (mha2mla.kernels' split-KV decode), or "auto" (the kernel on CUDA, PyTorch on CPU); see
-        :func:`mha2mla.kernels.backend.decode_attention_backend`."""
+        dtype is the weights, activations and cache dtype: a torch dtype, or a compute dtype name (auto, float32,
+        bfloat16; None is auto) resolved by :func:`mha2mla.compute.resolve_compute_dtype` for the device. bf16
+        weights on CPU are packed for oneDNN once here (:mod:`mha2mla.modeling.linear`). decode_attention:
+        "torch" (plain PyTorch), "kernel" (mha2mla.kernels' split-KV decode), or "auto" (the kernel on CUDA,
+        PyTorch on CPU); see :func:`mha2mla.kernels.backend.decode_attention_backend`."""
         folder = Path(folder)
         if not (folder / "config.json").exists():
             raise UserError(f"{folder} has no config.json; point at a folder written by `mha2mla convert`.")
         device = torch.device(device)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if dtype is None or isinstance(dtype, str):
+            dtype = torch_dtype(resolve_compute_dtype(dtype, str(device)))
         config = AutoConfig.from_pretrained(folder)
         check_config(config)
         index, absorbed = load_absorbed(folder)
@@ -146,6 +156,8 @@ class MLAModel:
         if "lm_head.weight" in reader and not config.tie_word_embeddings:
             lm_head = put(reader.get("lm_head.weight", dtype=None, shape=(V, D)))
         final_norm = put(reader.get("model.norm.weight", dtype=None, shape=(D,)))
+        if packing_applies(device, dtype):  # the embedding stays plain for lookups; a tied lm_head is a packed copy
+            layers, lm_head = [pack_layer(w) for w in layers], pack(lm_head)
         return cls(config, embed, layers, final_norm, lm_head, device, dtype, decode_attention)
 
     def new_cache(self, batch_size: int, max_tokens: int) -> LatentCache:
@@ -157,23 +169,23 @@ class MLAModel:
     def _query(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """x (..., D) -> q (..., H*(d_n+d_r))."""
         if w.q_proj is not None:
-            return F.linear(x, w.q_proj)
-        q_latent = rms_norm(F.linear(x, w.q_a_proj, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS)
-        return F.linear(q_latent, w.q_b_proj)
+            return linear(x, w.q_proj)
+        q_latent = rms_norm(linear(x, w.q_a_proj, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS)
+        return linear(q_latent, w.q_b_proj)
 
     def _latent(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (..., D) -> normalised latent c (..., r), un-rotated rope key (..., d_r)."""
-        compressed = F.linear(x, w.kv_a_proj, w.kv_a_bias)  # (..., r + d_r)
+        compressed = linear(x, w.kv_a_proj, w.kv_a_bias)  # (..., r + d_r)
         latent, rope_key = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS), rope_key
 
     def _mlp_block(self, w: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
         """The residual stream after the layer's post-attention norm and dense MLP."""
         x = rms_norm(hidden, w.post_attention_norm, self.config.rms_norm_eps)
-        return hidden + F.linear(self.act(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+        return hidden + linear(self.act(linear(x, w.gate_proj)) * linear(x, w.up_proj), w.down_proj)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
 
     # -- forward passes --------------------------------------------------------------------------------------
 
@@ -193,7 +205,7 @@ class MLAModel:
         for row, prompt in enumerate(prompts):  # padding out of every real token's view
             ids[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
         cos, sin = self.rope.cos_sin(torch.arange(T, device=self.device), self.dtype)  # (T, d_r/2)
-        hidden = F.embedding(ids, self.embed)  # (B, T, D)
+        hidden = F.embedding(ids, self.embed).float()  # (B, T, D) the residual stream: float32 in every dtype
         for index, w in enumerate(self.layers):
             x = rms_norm(hidden, w.input_norm, self.config.rms_norm_eps)
             q = self._query(w, x).view(B, T, H, d_n + d_r).transpose(1, 2)  # (B, H, T, d_n+d_r)
@@ -202,11 +214,11 @@ class MLAModel:
             q_pe = self.rope.apply(q_pe, cos, sin)
             rope_key = self.rope.apply(rope_key, cos, sin)
             cache.write_prefill(index, latent, rope_key)
-            kv = F.linear(latent, w.kv_b_proj).view(B, T, H, d_n + d_v).transpose(1, 2)  # (B, H, T, d_n+d_v)
+            kv = linear(latent, w.kv_b_proj).view(B, T, H, d_n + d_v).transpose(1, 2)  # (B, H, T, d_n+d_v)
             k_nope, value = kv.split([d_n, d_v], dim=-1)
             key = torch.cat([k_nope, rope_key[:, None].expand(B, H, T, d_r)], dim=-1)  # (B, H, T, d_n+d_r)
             attn = causal_attention(torch.cat([q_nope, q_pe], dim=-1), key, value, self.scale)  # (B, H, T, d_v)
-            hidden = hidden + F.linear(attn.transpose(1, 2).reshape(B, T, H * d_v), w.o_proj, w.o_bias)
+            hidden = hidden + linear(attn.transpose(1, 2).reshape(B, T, H * d_v), w.o_proj, w.o_bias)
             hidden = self._mlp_block(w, hidden)
         cache.set_lengths(prompt_lengths)
         last = hidden[torch.arange(B, device=self.device), lengths - 1]  # (B, D)
@@ -220,7 +232,7 @@ class MLAModel:
         positions = cache.lengths  # (B,) position of the new token in each row
         lengths_after, max_after = positions + 1, cache.max_length + 1
         cos, sin = self.rope.cos_sin(positions, self.dtype)  # (B, d_r/2)
-        hidden = F.embedding(tokens.to(self.device), self.embed)  # (B, D)
+        hidden = F.embedding(tokens.to(self.device), self.embed).float()  # (B, D) float32 residual stream
         for index, w in enumerate(self.layers):
             x = rms_norm(hidden, w.input_norm, self.config.rms_norm_eps)
             q = self._query(w, x).view(B, H, d_n + d_r)
@@ -233,7 +245,7 @@ class MLAModel:
             out_latent = latent_cache_decode(query, cache.layer(index), lengths_after, max_after, r, self.scale,
                                              backend=self.decode_backend)  # (B, H, r)
             out = torch.matmul(out_latent.transpose(0, 1), w.w_uv_t).transpose(0, 1)  # (B, H, d_v)
-            hidden = hidden + F.linear(out.reshape(B, H * d_v), w.o_proj, w.o_bias)
+            hidden = hidden + linear(out.reshape(B, H * d_v), w.o_proj, w.o_bias)
             hidden = self._mlp_block(w, hidden)
         cache.advance()
         return self._logits(hidden)

@@ -38,7 +38,7 @@ def _save_random_mla(folder, seed: int = 0, with_absorbed: bool = True, **config
 def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"mla-{request.param}")
     model = _save_random_mla(folder, **CONFIGS[request.param])
-    return folder, model, MLAEngine.from_pretrained(folder)
+    return folder, model, MLAEngine.from_pretrained(folder, compute_dtype="float32")  # exactness: float32
 
 
 def _reference_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -87,10 +87,10 @@ def test_ragged_batch_equals_one_prompt_at_a_time(checkpoint):
         torch.testing.assert_close(batched.logits, alone.logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cache_bytes_are_latent_plus_rope_per_token_per_layer(checkpoint, dtype):
     folder, _, _ = checkpoint
-    engine = MLAEngine.from_pretrained(folder, dtype=dtype)
+    engine = MLAEngine.from_pretrained(folder, compute_dtype=str(dtype).removeprefix("torch."))
     config = engine.model.config
     tokens = 37
     cache = engine.model.new_cache(batch_size=2, max_tokens=tokens)
@@ -148,7 +148,7 @@ def test_cli_streams_generated_text(checkpoint, capsys):
     folder, _, engine = checkpoint
     [expected] = engine.generate(["the latent "], max_new_tokens=10, eos_token_ids=[])
     code, out, err = run_cli(["generate", folder, "--prompt", "the latent ", "--max-new-tokens", "10",
-                              "--ignore-eos"], capsys)
+                              "--ignore-eos", "--compute-dtype", "float32"], capsys)
     assert code == 0, err
     assert out.rstrip("\n") == expected.text
 
@@ -173,7 +173,7 @@ def test_kernel_decode_attention_equals_torch(checkpoint, monkeypatch):
     monkeypatch.setattr(triton_decode, "mla_decode_latent_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     folder, _, engine = checkpoint
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kernel_engine = MLAEngine.from_pretrained(folder, device=device, dtype=torch.float32, decode_attention="kernel")
+    kernel_engine = MLAEngine.from_pretrained(folder, device=device, compute_dtype="float32", decode_attention="kernel")
     assert engine.model.decode_backend == "reference" and kernel_engine.model.decode_backend == "triton"
     expected = engine.generate(PROMPTS, max_new_tokens=6, eos_token_ids=[], return_logits=True)
     got = kernel_engine.generate(PROMPTS, max_new_tokens=6, eos_token_ids=[], return_logits=True)
@@ -198,7 +198,7 @@ def test_unknown_decode_attention_is_a_user_error(checkpoint):
 
 def test_bfloat16_engine_stays_close_to_float32(checkpoint):
     folder, _, engine = checkpoint
-    model_32, model_16 = engine.model, MLAEngine.from_pretrained(folder, dtype=torch.bfloat16).model
+    model_32, model_16 = engine.model, MLAEngine.from_pretrained(folder, compute_dtype="bfloat16").model
     cache_32, cache_16 = model_32.new_cache(len(PROMPTS), 16), model_16.new_cache(len(PROMPTS), 16)
     logits_32, logits_16 = model_32.prefill(cache_32, PROMPTS), model_16.prefill(cache_16, PROMPTS)
     for _ in range(4):
@@ -245,7 +245,7 @@ def test_rope_scaling_matches_transformers_cached_decode(scaling, tmp_path):
     longrope transformers switches all frequencies to the long factors once a forward pass reaches past
     original_max_position_embeddings, so its cached decode and a one-shot forward differ; we follow the former.)"""
     model = _save_random_mla(tmp_path, rope_parameters=ROPE_SCALINGS[scaling])
-    engine = MLAEngine.from_pretrained(tmp_path)
+    engine = MLAEngine.from_pretrained(tmp_path, compute_dtype="float32")
     [result] = engine.generate([PROMPTS[0]], max_new_tokens=40, eos_token_ids=[], return_logits=True)
     tokens = torch.tensor([result.prompt_tokens + result.tokens])
     prompt_length = len(result.prompt_tokens)
@@ -271,7 +271,7 @@ def test_converted_smollm2_matches_transformers(tmp_path):
         folder = tmp_path / "smollm2-135m-kv0.125"
         subprocess.run([sys.executable, "-m", "mha2mla.cli.main", "convert", str(default_model_gguf()), str(folder),
                         "--kv-budget", "0.125", "--profile", "portable", "--no-progress"], check=True)
-    engine = MLAEngine.from_pretrained(folder)
+    engine = MLAEngine.from_pretrained(folder, compute_dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     [result] = engine.generate(["The kingdom of heaven is like unto a"], max_new_tokens=16, eos_token_ids=[],
                                return_logits=True)
