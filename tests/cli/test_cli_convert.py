@@ -40,8 +40,9 @@ def test_weight_only_is_asked_for_and_says_so(llama_source, tmp_path, capsys):
 def test_help_lists_what_a_user_needs(capsys):
     code, stdout, _ = run_cli(["convert", "--help"], capsys)
     options = set(re.findall(r"^  (--[a-z][a-z-]*)", stdout, flags=re.MULTILINE))  # the option column only
-    assert code == 0 and len(options - {"--no-progress"}) <= 14, sorted(options)
-    assert {"--kv-budget", "--profile", "--calib", "--calib-samples", "--calib-device", "--recipe", "--dry-run", "--force"} <= options
+    assert code == 0 and len(options - {"--no-progress"}) <= 15, sorted(options)
+    assert {"--kv-budget", "--profile", "--calib", "--calib-samples", "--calib-device", "--compute-dtype", "--recipe",
+            "--dry-run", "--force"} <= options
 
 
 def test_recipe_sets_options_and_rejects_unknown_keys(llama_source, tmp_path, capsys):
