@@ -15,11 +15,11 @@ OUT_DIR="${1:-.cache/compute_dtype}"
 mkdir -p "$OUT_DIR"
 export MHA2MLA_CACHE="${MHA2MLA_CACHE:-.cache}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 PY=.venv/bin/python
-$PY benchmarks/convert_phases.py --layers 3 --kv-budget 0.3125 2>/dev/null | tee "$OUT_DIR/phases.txt"
+$PY benchmarks/convert_phases.py --layers 3 --kv-budget 0.3125 2>"$OUT_DIR/phases.err" | tee "$OUT_DIR/phases.txt"
 $PY benchmarks/decode.py --converted .cache/converted/smollm2-135m-kv0.125 --models mla-engine \
   --compute-dtypes float32 bfloat16 --contexts 4096 --batches 1,8 --warmup 2 --steps 16 --threads "$OMP_NUM_THREADS" \
-  --json-out "$OUT_DIR/decode.json" 2>/dev/null | tee "$OUT_DIR/decode.txt"
+  --json-out "$OUT_DIR/decode.json" 2>"$OUT_DIR/decode.err" | tee "$OUT_DIR/decode.txt"
 $PY benchmarks/recover_speed.py --steps 6 --seq-len 256 --batch-size 2 --compute-dtypes float32 bfloat16 \
-  2>/dev/null | tee "$OUT_DIR/recover_speed.txt"
+  2>"$OUT_DIR/recover_speed.err" | tee "$OUT_DIR/recover_speed.txt"
 $PY benchmarks/quality.py --budgets 0.3125 --methods act-attention-refit-recon --profiles portable \
-  --compute-dtypes float32 bfloat16 --json "$OUT_DIR/quality.json" 2>/dev/null | tee "$OUT_DIR/quality.txt"
+  --compute-dtypes float32 bfloat16 --json "$OUT_DIR/quality.json" 2>"$OUT_DIR/quality.err" | tee "$OUT_DIR/quality.txt"
