@@ -40,9 +40,10 @@ def cpu_has_bf16(flags: set[str] | None = None) -> bool:
     return any(flag in flags for flag in BF16_CPU_FLAGS + BF16_ARM_FEATURES)
 
 
-def resolve_compute_dtype(name: str | None, device: str) -> str:
+def resolve_compute_dtype(name: str | None, device: str, cpu_bf16: bool = True) -> str:
     """``float32`` or ``bfloat16`` for ``name`` (auto, float32, bfloat16; None is auto) on ``device`` (a torch
-    device name: cpu, cuda, cuda:1, mps)."""
+    device name: cpu, cuda, cuda:1, mps). ``cpu_bf16=False``: auto stays float32 on every CPU, for a command whose
+    bf16 path was measured harmful there (recover: docs/benchmarks.md, "compute dtype")."""
     name = "auto" if name is None else str(name).strip().lower()
     if name not in COMPUTE_DTYPES:
         from mha2mla import UserError
@@ -56,7 +57,7 @@ def resolve_compute_dtype(name: str | None, device: str) -> str:
 
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     if kind == "cpu":
-        return "bfloat16" if cpu_has_bf16() else "float32"
+        return "bfloat16" if cpu_bf16 and cpu_has_bf16() else "float32"
     return "float32"
 
 

@@ -45,3 +45,9 @@ def test_flag_forces_the_dtype(monkeypatch):
 def test_unknown_name_is_one_sentence():
     with pytest.raises(UserError, match="auto, float32 or bfloat16"):
         compute.resolve_compute_dtype("fp8", "cpu")
+
+
+def test_a_command_can_keep_float32_on_cpus(monkeypatch):
+    monkeypatch.setattr(compute, "cpu_flags", lambda: {"amx_bf16"})
+    assert compute.resolve_compute_dtype("auto", "cpu", cpu_bf16=False) == "float32"
+    assert compute.resolve_compute_dtype("bfloat16", "cpu", cpu_bf16=False) == "bfloat16"

@@ -84,8 +84,8 @@ class RecoverConfig(BaseModel):
     attn_implementation: Literal["sdpa", "eager", "mha2mla_triton"] = Field("sdpa", description="attention kernel")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="what the forwards and backwards compute in: bfloat16 (autocast over float32 trainable and "
-        "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU or a CPU with native "
-        "bf16 (AMX, AVX-512 BF16, Arm BF16), else float32")
+        "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, float32 on a CPU "
+        "(where bf16 recovery was measured to diverge: docs/benchmarks.md)")
     mixed_precision: Literal["auto", "no", "bf16"] | None = Field(
         None, exclude=True, description="deprecated, read as --compute-dtype (no: float32, bf16: bfloat16, auto: auto)")
     eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: start and end only)")
