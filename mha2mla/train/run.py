@@ -119,8 +119,8 @@ class RecoveryRun:
         on CPU and GPU: the student's weights stay float32 (the trainable ones are AdamW's master weights, the
         merge reads them), the matmuls and attention of every forward and backward run in bf16, the losses in
         float32 (losses.py). float32 is no autocast at all."""
-        # auto is float32 on CPUs: bf16 recovery from a calibrated conversion was measured to diverge where float32
-        # did not (docs/benchmarks.md, "compute dtype"); bfloat16 stays available by name
+        # auto is float32 on CPUs, where bf16 recovery was measured to diverge (docs/benchmarks.md, "compute dtype");
+        # bfloat16 stays available by name
         self.compute_dtype = resolve_compute_dtype(self.config.compute_dtype, run_device().type, cpu_bf16=False)
         accelerator = start_accelerator("bf16" if self.compute_dtype == "bfloat16" else "no")
         self.accelerator = accelerator
