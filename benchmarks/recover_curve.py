@@ -37,21 +37,10 @@ from mha2mla.train.data import build_packed  # noqa: E402
 from mha2mla.train.distributed import start_accelerator  # noqa: E402
 from mha2mla.train.evaluate import packed_perplexity  # noqa: E402
 from mha2mla.train.model import load_tokenizer  # noqa: E402
+from benchmarks.recover_smollm2 import TRAIN_FRACTION, _documents  # noqa: E402  the same training text
 from scripts import assets  # noqa: E402
 
-TRAIN_FRACTION = 0.30
 TOLERANCE = 0.02
-
-
-def _documents(text: str, size: int = 4000) -> list[str]:
-    documents, current, length = [], [], 0
-    for line in text.splitlines(keepends=True):
-        current.append(line)
-        length += len(line)
-        if length >= size:
-            documents.append("".join(current))
-            current, length = [], 0
-    return documents + (["".join(current)] if current else [])
 
 
 def prepare(work: Path, converted: str, eval_tokens: int) -> None:
