@@ -79,6 +79,8 @@ class RecoverConfig(BaseModel):
     # distillation
     distill_weight: float = Field(0.5, ge=0, le=1, description="weight of the KL term; 1 - weight goes to the LM loss")
     temperature: float = Field(1.0, gt=0, description="distillation temperature")
+    hidden_distill_weight: float = Field(0.0, ge=0, description="weight of the layer-wise hidden-state distillation "
+                                         "term (each layer's residual stream against the teacher's), added to the loss")
 
     # runtime
     attn_implementation: Literal["sdpa", "eager", "mha2mla_triton"] = Field("sdpa", description="attention kernel")
@@ -124,6 +126,8 @@ class RecoverConfig(BaseModel):
             raise ValueError("give --max-steps or --max-tokens (max_steps or max_tokens in a recipe)")
         if not self.data:
             raise ValueError("give at least one --data source")
+        if self.hidden_distill_weight > 0 and self.teacher is None:
+            raise ValueError("--hidden-distill-weight needs a --teacher to distil from")
         return self
 
     @property

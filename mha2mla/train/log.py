@@ -38,8 +38,7 @@ def record_step(run, result: dict[str, float], elapsed: float) -> None:
     state["losses"].append(result["loss"])
     record = {"step": state["step"], "tokens": state["tokens_trained"], "loss": result["loss"],
               "lm_loss": result["lm_loss"], "lr": result["lr"], "tokens_per_second": tokens / elapsed}
-    if "distill_loss" in result:
-        record["distill_loss"] = result["distill_loss"]
+    record.update({key: result[key] for key in ("distill_loss", "hidden_loss") if key in result})
     write_log(run, record)
     run._progress.update(1)
     perplexity = f" | ppl {state['evaluations'][-1]['perplexity']:.2f}" if state["evaluations"] else ""

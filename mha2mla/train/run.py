@@ -40,7 +40,7 @@ from mha2mla.train.distributed import (
 )
 from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.log import evaluate_and_log, open_run_folder, record_step
-from mha2mla.train.losses import distillation_loss, lm_loss
+from mha2mla.train.losses import distillation_loss, hidden_state_loss, lm_loss
 from mha2mla.train.merge import check_out_folder, gathered_model, recovery_report, write_recovered
 from mha2mla.train.model import (
     check_teacher_matches,
@@ -163,19 +163,22 @@ class RecoveryRun:
         """Packed rows one optimizer step consumes over all processes."""
         return self.config.batch_size * self.config.grad_accum * self.world
 
-    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss to minimise, LM loss, distillation loss) of one micro-batch already on the device."""
-        config = self.config
-        mask = target_mask(batch["position_ids"])
+    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss to minimise, LM loss, logit distillation loss, hidden-state distillation loss) of one micro-batch
+        already on the device: ``(1 - w) LM + w KL + h hidden`` (w ``distill_weight``, h ``hidden_distill_weight``)."""
+        config, zero = self.config, torch.zeros(())
+        mask, hidden = target_mask(batch["position_ids"]), config.hidden_distill_weight > 0
         with self.accelerator.autocast():
-            logits = self.model(**batch, use_cache=False).logits
-            language = lm_loss(logits, batch["input_ids"], mask)
+            output = self.model(**batch, use_cache=False, output_hidden_states=hidden)
+            language = lm_loss(output.logits, batch["input_ids"], mask)
             if self.teacher is None:
-                return language, language, torch.zeros(())
+                return language, language, zero, zero
             with torch.no_grad():
-                teacher_logits = self.teacher(**batch, use_cache=False).logits
-            distill = distillation_loss(logits, teacher_logits, mask, config.temperature)
-            return (1 - config.distill_weight) * language + config.distill_weight * distill, language, distill
+                teacher = self.teacher(**batch, use_cache=False, output_hidden_states=hidden)
+            distill = distillation_loss(output.logits, teacher.logits, mask, config.temperature)
+            states = hidden_state_loss(output.hidden_states, teacher.hidden_states) if hidden else zero
+            loss = (1 - config.distill_weight) * language + config.distill_weight * distill
+            return loss + config.hidden_distill_weight * states, language, distill, states
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this process's rows of the step: ``batch`` holds (grad_accum x B, L) tensors,
@@ -188,14 +191,14 @@ class RecoveryRun:
         if batch["input_ids"].shape[0] % count:
             raise ValueError(f"a step's batch of {batch['input_ids'].shape[0]} rows does not split into {count} micro-batches")
         micro_batches = [dict(zip(batch, parts)) for parts in zip(*(value.chunk(count) for value in batch.values()))]
-        parts = torch.zeros(3, dtype=torch.float64)  # loss, lm loss, distillation loss (summed over micro-batches)
+        parts = torch.zeros(4, dtype=torch.float64)  # loss, lm, distillation, hidden-state losses (summed over micro-batches)
         for index, micro in enumerate(micro_batches):
             micro = {key: value.to(accelerator.device) for key, value in micro.items()}
             last = index == count - 1
             with contextlib.nullcontext() if last or self.world == 1 else accelerator.no_sync(self.model):
-                loss, language, distill = self._losses(micro)
-                accelerator.backward(loss / count)
-            parts += torch.tensor([loss.item(), language.item(), distill.item()], dtype=torch.float64)
+                losses = self._losses(micro)
+                accelerator.backward(losses[0] / count)
+            parts += torch.tensor([part.item() for part in losses], dtype=torch.float64)
         if config.max_grad_norm is not None:
             accelerator.clip_grad_norm_(self.params, config.max_grad_norm)
         self.optimizer.step()
@@ -207,6 +210,8 @@ class RecoveryRun:
         result = {"loss": float(parts[0]), "lm_loss": float(parts[1]), "lr": self.scheduler.get_last_lr()[0]}
         if self.teacher is not None:
             result["distill_loss"] = float(parts[2])
+        if config.hidden_distill_weight > 0:
+            result["hidden_loss"] = float(parts[3])
         return result
 
     def next_batch(self) -> dict[str, torch.Tensor]:
