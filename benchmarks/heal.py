@@ -1,0 +1,132 @@
+"""Healing SmolLM2-135M's small-budget conversions with `mha2mla recover` (issue #27): each run is the CLI itself
+(timed wall clock, its own curve on a small held-out slice), then every output is scored on the acceptance slices
+(16,384 tokens of the KJV and of the Python docs, 512-token windows, as benchmarks/quality.py) next to the source.
+
+    python benchmarks/heal.py prepare                                   # training text + curve slices, once
+    OMP_NUM_THREADS=1 python benchmarks/heal.py run NAME --converted PATH -- --full-attention --lr 3e-4 ...
+    python benchmarks/heal.py score NAME [NAME ...] [--converted PATH ...]   # JSON + Markdown table
+
+``run`` passes everything after ``--`` to `mha2mla recover` (data, held-out curve slice, seq len 512 and the
+output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text, for teacher-generated
+text). Training text: the first 30% of the KJV and of the Python docs, ~4000-character documents interleaved
+(benchmarks/recover_smollm2.py), far from the held-out slices, which start a third into each file. The curve slice
+is the first 2,048 tokens of each acceptance slice (8 rows of 512). WORK is --work (default ``$MHA2MLA_CACHE/heal``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
+
+# after sys.path and MHA2MLA_CACHE are set
+from benchmarks.quality import evaluate  # noqa: E402  the acceptance slices, scored as the conversion table is
+from benchmarks.recover_smollm2 import TRAIN_FRACTION, _documents  # noqa: E402  the same training text
+from mha2mla.io.source import resolve_source  # noqa: E402
+from scripts import assets  # noqa: E402
+
+SLICES = ("kjv", "python_docs")
+SLICE_TOKENS = 16384
+CURVE_TOKENS = 2048
+
+
+def prepare(work: Path) -> None:
+    """WORK/train.jsonl and WORK/curve_<slice>.txt (the first CURVE_TOKENS tokens of each acceptance slice)."""
+    from transformers import AutoTokenizer
+
+    work.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for name in SLICES:
+        text = assets.held_out_text_path(name).read_text(encoding="utf-8")
+        parts.append(_documents(text[: text.rfind("\n", 0, int(len(text) * TRAIN_FRACTION)) + 1]))
+    with open(work / "train.jsonl", "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({"text": doc}) + "\n" for pair in zip(*parts) for doc in pair)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(assets.default_model_gguf())))
+    for name in SLICES:
+        ids = assets.held_out_token_ids(tokenizer, name, CURVE_TOKENS)
+        (work / f"curve_{name}.txt").write_text(tokenizer.decode(ids), encoding="utf-8")
+    print(f"training text and curve slices in {work}")
+
+
+def run(work: Path, name: str, converted: str, extra: list[str], no_data: bool) -> None:
+    """`mha2mla recover` as a user runs it (resumed if interrupted); wall time appended to WORK/NAME.wall.json."""
+    out = work / name
+    given = set(extra)
+    argv = [sys.executable, "-m", "mha2mla.cli.main", "recover", converted, "--out", str(out), "--no-progress"]
+    if not no_data and "--data" not in given:
+        argv += ["--data", str(work / "train.jsonl")]
+    if "--eval-data" not in given:
+        argv += [arg for name_ in SLICES for arg in ("--eval-data", str(work / f"curve_{name_}.txt"))]
+        argv += ["--eval-sequences", str(2 * CURVE_TOKENS // 512)]
+    if "--seq-len" not in given:
+        argv += ["--seq-len", "512"]
+    if out.exists() and not (out / "recovery_report.json").is_file():
+        argv += ["--resume", "auto"]
+    started = time.perf_counter()
+    subprocess.run(argv + extra, check=True, cwd=REPO)
+    wall = time.perf_counter() - started
+    record = {"name": name, "command": " ".join(["mha2mla", *argv[3:], *extra]), "wall_seconds": round(wall, 1),
+              "threads": os.environ.get("OMP_NUM_THREADS")}
+    with open(work / f"{name}.wall.json", "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    print(json.dumps(record))
+
+
+def score(work: Path, names: list[str], converted: list[str]) -> None:
+    """Acceptance-slice perplexity of the source, of each converted starting point and of each run's output."""
+    source_file = work / "source_perplexity.json"
+    if not source_file.is_file():  # the dequantized GGUF, scored as benchmarks/quality.py scores it
+        source_file.write_text(json.dumps(evaluate(resolve_source(assets.default_model_gguf()), SLICES, SLICE_TOKENS)))
+    source = json.loads(source_file.read_text())
+    rows = []
+    for label, folder in [*((Path(c).name, Path(c)) for c in converted), *((n, work / n) for n in names)]:
+        row = {"model": label, "perplexity": evaluate(folder, SLICES, SLICE_TOKENS)}
+        row["x_source"] = {k: round(v / source[k], 3) for k, v in row["perplexity"].items()}
+        report = folder / "recovery_report.json"
+        if report.is_file():
+            data = json.loads(report.read_text())
+            row.update(tokens=data["tokens_trained"], tokens_per_second=round(data["tokens_per_second"], 1),
+                       curve=[(e["tokens"], round(e["perplexity"], 2)) for e in data["evaluations"]])
+            walls = (work / f"{label}.wall.json")
+            if walls.is_file():
+                row["wall_seconds"] = sum(json.loads(line)["wall_seconds"] for line in walls.read_text().splitlines())
+        rows.append(row)
+    print(json.dumps({"source": source, "rows": rows}, indent=1))
+    print(f"\nsource: KJV {source['kjv']:.2f}, Python docs {source['python_docs']:.2f}\n")
+    print("| model | tokens | wall s | KJV ppl (× source) | Python docs ppl (× source) |\n|---|---:|---:|---|---|")
+    for row in rows:
+        cells = " | ".join(f"{row['perplexity'][s]:.2f} (×{row['x_source'][s]:.3f})" for s in SLICES)
+        print(f"| {row['model']} | {row.get('tokens', 0):,} | {row.get('wall_seconds', '')} | {cells} |")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=["prepare", "run", "score"])
+    parser.add_argument("names", nargs="*")
+    parser.add_argument("--converted", action="append", default=[])
+    parser.add_argument("--work", type=Path, default=assets.cache_dir() / "heal")
+    parser.add_argument("--no-data", action="store_true", help="no --data: the teacher generates the training text")
+    args = parser.parse_args(argv)
+    if args.step == "prepare":
+        prepare(args.work)
+    elif args.step == "run":
+        if len(args.names) != 1 or len(args.converted) != 1:
+            parser.error("run takes one NAME and one --converted")
+        run(args.work, args.names[0], args.converted[0], extra, args.no_data)
+    else:
+        score(args.work, args.names, args.converted)
+
+
+if __name__ == "__main__":
+    main()
