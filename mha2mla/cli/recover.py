@@ -21,7 +21,8 @@ FLAGS = Flags(
               "learning_rate", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio", "full_attention",
               "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.train_norms", "distill_weight",
               "temperature", "hidden_distill_weight", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",
-              "attn_implementation", "compute_dtype", "mixed_precision", "text_field", "seed"),
+              "attn_implementation", "compute_dtype", "mixed_precision", "text_field", "seed", "generated_temperature",
+              "generated_top_p"),
     arguments=("model",),
     names={"learning_rate": ("--lr",), "lora.train_norms": ("--train-norms",)},
 )

@@ -48,8 +48,8 @@ class RecoverConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(description="converted DeepSeek-V3 MLA folder (output of `mha2mla convert`)")
-    data: list[str] = Field(description="training text: .txt/.jsonl/.parquet file, a folder of them, or a Hugging Face "
-                            "dataset id (name or name@split)")
+    data: list[str] | None = Field(None, description="training text: .txt/.jsonl/.parquet file, a folder of them, or a "
+                                   "Hugging Face dataset id (name or name@split); none: text the --teacher generates")
     out: str = Field(description="output folder: checkpoints during the run, the recovered model at the end")
     teacher: str | None = Field(None, description="source model (HF folder or .gguf) to distil from")
     eval_data: list[str] | None = Field(None, description="held-out text for perplexity (default: rows held out of the data)")
@@ -58,7 +58,11 @@ class RecoverConfig(BaseModel):
     seq_len: int = Field(512, ge=8, description="packed sequence length in tokens")
     text_field: str = Field("text", description="field holding the text in .jsonl/.parquet files and datasets")
     eval_sequences: int = Field(8, ge=0, description="packed sequences used for held-out perplexity (0: no evaluation)")
-    seed: int = Field(0, description="seed of the LoRA initialisation and of the row order")
+    seed: int = Field(0, description="seed of the LoRA initialisation, of the row order and of generated text")
+    generated_temperature: float = Field(1.0, gt=0, description="sampling temperature of the text the teacher "
+                                         "generates when there is no --data")
+    generated_top_p: float | None = Field(None, gt=0, le=1, description="top-p (nucleus) sampling of the text the "
+                                          "teacher generates when there is no --data (none: the whole distribution)")
 
     # what trains
     full_attention: bool = Field(False, description="train every attention parameter in full instead of LoRA")
@@ -97,8 +101,9 @@ class RecoverConfig(BaseModel):
     @field_validator("data", "eval_data", mode="before")
     @classmethod
     def _one_source(cls, value):
-        """One source given as a plain string (``data: corpus.txt`` in a recipe) is a list of one."""
-        return [value] if isinstance(value, str) else value
+        """One source given as a plain string (``data: corpus.txt`` in a recipe) is a list of one; an empty list is
+        none."""
+        return [value] if isinstance(value, str) else (value or None)
 
     @model_validator(mode="before")
     @classmethod
@@ -124,8 +129,8 @@ class RecoverConfig(BaseModel):
     def _check(self) -> RecoverConfig:
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("give --max-steps or --max-tokens (max_steps or max_tokens in a recipe)")
-        if not self.data:
-            raise ValueError("give at least one --data source")
+        if not self.data and self.teacher is None:
+            raise ValueError("give --data, or --teacher to distil on text the teacher generates")
         if self.hidden_distill_weight > 0 and self.teacher is None:
             raise ValueError("--hidden-distill-weight needs a --teacher to distil from")
         return self

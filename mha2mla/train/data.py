@@ -140,15 +140,19 @@ class RowOrder:
         return torch.stack(out)
 
 
+def evaluation_rows(config, tokenizer) -> PackedSequences:
+    """The held-out rows of ``eval_data``: its first ``eval_sequences`` packed rows (all of them for 0)."""
+    return build_packed(
+        tokenizer, config.eval_data, config.seq_len, config.text_field, config.eval_sequences or None, "evaluation data"
+    )
+
+
 def prepare_data(config, tokenizer, rows_needed: int) -> tuple[PackedSequences, PackedSequences | None]:
     """The training rows and the held-out rows (``eval_data``, or the first rows of the training data; None when
-    ``eval_sequences`` is 0)."""
+    ``eval_sequences`` is 0). A run without ``data`` takes teacher-generated text instead (generated.py)."""
     if config.eval_data:
         train = build_packed(tokenizer, config.data, config.seq_len, config.text_field, rows_needed, "training data")
-        held_out = build_packed(
-            tokenizer, config.eval_data, config.seq_len, config.text_field, config.eval_sequences or None, "evaluation data"
-        )
-        return train, held_out
+        return train, evaluation_rows(config, tokenizer)
     packed = build_packed(
         tokenizer, config.data, config.seq_len, config.text_field, rows_needed + config.eval_sequences, "training data"
     )

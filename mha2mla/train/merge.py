@@ -65,7 +65,7 @@ def check_out_folder(config) -> None:
     """Refuse a --out that is unsafe to write before any training: an input (model, teacher, data), a folder holding
     one, the current folder or one above it, a symbolic link, a file, or a place that cannot be written."""
     inputs = [("the model being recovered", config.model), ("the teacher", config.teacher)]
-    inputs += [("the training data", spec) for spec in config.data]
+    inputs += [("the training data", spec) for spec in config.data or []]
     inputs += [("the held-out data", spec) for spec in config.eval_data or []]
     check_destination(config.out_path, inputs, name="--out")
 

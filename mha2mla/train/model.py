@@ -96,7 +96,11 @@ def load_teacher(source: str, attn_implementation: str = "sdpa", dtype: torch.dt
 
 
 def check_teacher_matches(student, teacher) -> None:
-    student_vocab = student.get_output_embeddings().weight.shape[0]
+    """The teacher must share the vocabulary of ``student`` (a model, or its vocabulary size: its config's
+    ``vocab_size``, read before the student is loaded)."""
+    student_vocab = student if isinstance(student, int | None) else student.get_output_embeddings().weight.shape[0]
+    if student_vocab is None:  # a config without vocab_size: nothing to compare
+        return
     teacher_vocab = teacher.get_output_embeddings().weight.shape[0]
     if student_vocab != teacher_vocab:
         raise UserError(

@@ -75,7 +75,9 @@ def check_same_run(config: RecoverConfig, folder: Path) -> None:
     if "mixed_precision" in saved:  # a run started before compute_dtype replaced it
         saved.setdefault("compute_dtype", LEGACY_MIXED_PRECISION.get(saved.pop("mixed_precision")))
     current = flat_settings(config.outcome_fields())
-    changed = sorted(key for key in current if saved.get(key) != current[key])
+    # a setting newer than the interrupted run (e.g. generated_temperature) counts as its default there
+    defaults = {name: info.default for name, info in RecoverConfig.model_fields.items() if not info.is_required()}
+    changed = sorted(key for key in current if saved.get(key, defaults.get(key)) != current[key])
     if changed:
         raise UserError(f"cannot resume: settings differ from the interrupted run ({', '.join(changed)}); use the same options.")
 

@@ -1,11 +1,12 @@
 """``RecoveryRun``: one recovery run as a recipe object (the shape of a torchtune recipe, docs/recover.md).
 
-``setup()`` checks the inputs, starts accelerate and builds the data, the student (LoRA or full attention), the
-teacher, the optimizer and, on resume, restores the checkpoint; ``train()`` loops over ``train_step`` (the one
-optimizer step: forward, LM loss mixed with distillation, backward, clip, AdamW, scheduler) with periodic
-``evaluate()`` (held-out perplexity) and ``save_checkpoint()``; ``export()`` writes the merged model and
-``cleanup()`` lets go of everything. ``setup_training(model, teacher)`` is the part of ``setup`` that turns any
-model into something ``train_step`` can train (benchmarks/recover_speed.py times the source model with it).
+``setup()`` checks the inputs, starts accelerate and builds the teacher, the data (the teacher's own text when there
+is no ``data``: generated.py), the student (LoRA or full attention), the optimizer and, on resume, restores the
+checkpoint; ``train()`` loops over ``train_step`` (the one optimizer step: forward, LM loss mixed with
+distillation, backward, clip, AdamW, scheduler) with periodic ``evaluate()`` (held-out perplexity) and
+``save_checkpoint()``; ``export()`` writes the merged model and ``cleanup()`` lets go of everything.
+``setup_training(model, teacher)`` is the part of ``setup`` that turns any model into something ``train_step`` can
+train (benchmarks/recover_speed.py times the source model with it).
 
 One process (CPU or GPU) or several through ``accelerate launch`` / ``torchrun`` (DDP or FSDP2: distributed.py). Data
 is sharded by hand (under FSDP as under DDP):
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 from mha2mla.compute import resolve_compute_dtype, torch_dtype
 from mha2mla.train import checkpoint as ckpt
 from mha2mla.train.config import RecoverConfig
-from mha2mla.train.data import PackedSequences, RowOrder, prepare_data, target_mask
+from mha2mla.train.data import PackedSequences, RowOrder, target_mask
 from mha2mla.train.distributed import (
     gathered_optimizer_state,
     gathered_trainable,
@@ -39,6 +40,7 @@ from mha2mla.train.distributed import (
     start_accelerator,
 )
 from mha2mla.train.evaluate import packed_perplexity
+from mha2mla.train.generated import prepare_rows
 from mha2mla.train.log import evaluate_and_log, open_run_folder, record_step
 from mha2mla.train.losses import distillation_loss, hidden_state_loss, lm_loss
 from mha2mla.train.merge import check_out_folder, gathered_model, recovery_report, write_recovered
@@ -88,10 +90,10 @@ class RecoveryRun:
     # ------------------------------------------------------------------------------------------ setup
 
     def setup(self) -> None:
-        """Everything a user can get wrong is checked before OUT is touched; then data, models, optimizer,
+        """Everything a user can get wrong is checked before OUT is touched; then the teacher, data, student, optimizer,
         the restored checkpoint (on resume) and the run folder (settings, metrics log)."""
         config = self.config
-        read_model_config(config.model)
+        model_config = read_model_config(config.model)
         if config.teacher is not None:
             check_teacher_path(config.teacher)
         check_out_folder(config)  # refused before any training, not at export
@@ -100,16 +102,17 @@ class RecoveryRun:
         self.start_accelerator()
         self.resume_from, self._saved = restore_point(config, self.resume, self.rank)
         self.tokenizer = load_tokenizer(config.model)
+        teacher = None
+        if config.teacher is not None:  # before the data: without --data the teacher writes it (generated.py)
+            teacher = load_teacher(config.teacher, config.attn_implementation, torch_dtype(self.compute_dtype))
+            check_teacher_matches(model_config.get("vocab_size"), teacher)
         rows_needed = config.total_steps(self.world) * self.rows_per_step
-        self.train_rows, self.held_out = prepare_data(config, self.tokenizer, rows_needed)
+        self.train_rows, self.held_out = prepare_rows(config, self.tokenizer, rows_needed, teacher, self.accelerator,
+                                                      self.show_progress)
         self.order = RowOrder(len(self.train_rows), config.seed)
         set_seed(config.seed)  # before the LoRA weights are drawn
         student = load_student(config.model, config.attn_implementation)
         student = make_trainable(student, None if config.full_attention else config.lora)
-        teacher = None
-        if config.teacher is not None:
-            teacher = load_teacher(config.teacher, config.attn_implementation, torch_dtype(self.compute_dtype))
-            check_teacher_matches(student, teacher)
         self.setup_training(student, teacher)
         open_run_folder(self)
 
