@@ -192,3 +192,45 @@ def test_smaller_exports_stay_close(converted, hf, ids, tensor_type, least_top1,
     top1 = float((got.argmax(-1) == expected.argmax(-1)).mean())
     print(f"\nllama.cpp {tensor_type} vs transformers: max |dlogit| {np.abs(got - expected).max():.3g}, top-1 {top1:.2%}")
     assert top1 >= least_top1
+
+
+@pytest.fixture(scope="module")
+def recovered(converted, tmp_path_factory) -> Path:
+    """The 31.25% conversion after a short `mha2mla recover` (full attention, LM loss on the text above): the merged
+    output a user exports, with every attention weight moved by training."""
+    from mha2mla.train import RecoverConfig, recover
+
+    work = tmp_path_factory.mktemp("recovered")
+    (work / "text.txt").write_text((TEXT + "\n") * 40)
+    out = work / "out"
+    recover(RecoverConfig(model=str(converted), data=[str(work / "text.txt")], out=str(out), seq_len=64, batch_size=2,
+                          max_steps=3, learning_rate=1e-4, full_attention=True, eval_sequences=0, save_every=0),
+            show_progress=False)
+    return out
+
+
+def test_a_recovered_model_exports_and_runs_in_llama_cpp_as_the_converted_one(recovered, converted, ids, tmp_path):
+    """Recovery changes the weights, not the format: the merged output exports, llama.cpp's f32 logits match
+    transformers' on it, and its KV cache is the converted model's (the same config, the same bytes per token)."""
+    config, before = (json.loads((folder / "config.json").read_text()) for folder in (recovered, converted))
+    shared = (set(config) & set(before)) - {"dtype", "transformers_version"}
+    assert shared >= {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_hidden_layers"}
+    assert {k: config[k] for k in shared} == {k: before[k] for k in shared}
+    model = AutoModelForCausalLM.from_pretrained(recovered, dtype=torch.float32).eval()
+    source_weights = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).state_dict()
+    moved = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, source_weights[name])]
+    assert moved and all(".self_attn." in name for name in moved)
+    with LlamaLog() as log:
+        llm = load(export_gguf(recovered, tmp_path / "recovered-f32.gguf", "f32"), type_k=GGML_TYPE_F32,
+                   type_v=GGML_TYPE_F32)
+    got = llama_logits(llm, ids)
+    llm.close()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].double().numpy()
+    max_diff = float(np.abs(got - expected).max())
+    top1 = float((got.argmax(-1) == expected.argmax(-1)).mean())
+    kv = log.kv_cache()
+    print(f"\nrecovered, llama.cpp f32 vs transformers: max |dlogit| {max_diff:.3g}, top-1 {top1:.2%}; KV {kv}")
+    assert max_diff < 1e-3 and top1 >= 0.99
+    width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    assert kv["v_bytes"] == 0 and abs(kv["k_bytes"] - width * 4 * kv["cells"] * kv["layers"]) <= 0.005 * 2**20
