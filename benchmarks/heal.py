@@ -8,8 +8,8 @@
 
 ``run`` passes everything after ``--`` to `mha2mla recover` (data, held-out curve slice, seq len 512 and the
 output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text, for teacher-generated
-text). Training text: the first 30% of the KJV and of the Python docs, ~4000-character documents interleaved
-(benchmarks/recover_smollm2.py), far from the held-out slices, which start a third into each file. The curve slice
+text). Training text: ``healing_text_path()`` (scripts/assets.py: the first 30% of the KJV and of the Python docs,
+~4000-character documents interleaved), far from the held-out slices, which start a third into each file. The curve slice
 is the first 2,048 tokens of each acceptance slice (8 rows of 512). WORK is --work (default ``$MHA2MLA_CACHE/heal``).
 """
 
@@ -29,7 +29,6 @@ os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
 
 # after sys.path and MHA2MLA_CACHE are set
 from benchmarks.quality import evaluate  # noqa: E402  the acceptance slices, scored as the conversion table is
-from benchmarks.recover_smollm2 import TRAIN_FRACTION, _documents  # noqa: E402  the same training text
 from mha2mla.io.source import resolve_source  # noqa: E402
 from scripts import assets  # noqa: E402
 
@@ -39,16 +38,12 @@ CURVE_TOKENS = 2048
 
 
 def prepare(work: Path) -> None:
-    """WORK/train.jsonl and WORK/curve_<slice>.txt (the first CURVE_TOKENS tokens of each acceptance slice)."""
+    """The healing text (scripts/assets.py) and WORK/curve_<slice>.txt (the first CURVE_TOKENS tokens of each
+    acceptance slice)."""
     from transformers import AutoTokenizer
 
     work.mkdir(parents=True, exist_ok=True)
-    parts = []
-    for name in SLICES:
-        text = assets.held_out_text_path(name).read_text(encoding="utf-8")
-        parts.append(_documents(text[: text.rfind("\n", 0, int(len(text) * TRAIN_FRACTION)) + 1]))
-    with open(work / "train.jsonl", "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps({"text": doc}) + "\n" for pair in zip(*parts) for doc in pair)
+    assets.healing_text_path()
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(assets.default_model_gguf())))
     for name in SLICES:
         ids = assets.held_out_token_ids(tokenizer, name, CURVE_TOKENS)
@@ -62,7 +57,7 @@ def run(work: Path, name: str, converted: str, extra: list[str], no_data: bool) 
     given = set(extra)
     argv = [sys.executable, "-m", "mha2mla.cli.main", "recover", converted, "--out", str(out), "--no-progress"]
     if not no_data and "--data" not in given:
-        argv += ["--data", str(work / "train.jsonl")]
+        argv += ["--data", str(assets.healing_text_path())]
     if "--eval-data" not in given:
         argv += [arg for name_ in SLICES for arg in ("--eval-data", str(work / f"curve_{name_}.txt"))]
         argv += ["--eval-sequences", str(2 * CURVE_TOKENS // 512)]

@@ -37,8 +37,9 @@ from mha2mla.train.data import build_packed  # noqa: E402
 from mha2mla.train.distributed import start_accelerator  # noqa: E402
 from mha2mla.train.evaluate import packed_perplexity  # noqa: E402
 from mha2mla.train.model import load_tokenizer  # noqa: E402
-from benchmarks.recover_smollm2 import TRAIN_FRACTION, _documents  # noqa: E402  the same training text
 from scripts import assets  # noqa: E402
+from scripts.assets import HEALING_FRACTION as TRAIN_FRACTION  # noqa: E402  the healing text's split
+from scripts.assets import _documents  # noqa: E402
 
 TOLERANCE = 0.02
 

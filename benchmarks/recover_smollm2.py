@@ -34,23 +34,11 @@ from mha2mla.train.data import build_packed  # noqa: E402
 from mha2mla.train.evaluate import packed_perplexity  # noqa: E402
 from mha2mla.train.model import load_teacher  # noqa: E402
 from scripts import assets  # noqa: E402
+from scripts.assets import HEALING_FRACTION as TRAIN_FRACTION  # noqa: E402  the healing text's split
+from scripts.assets import _documents
 
-TRAIN_FRACTION = 0.30
 CONVERTED = Path(os.environ.get("RECOVER_CONVERTED", assets.cache_dir() / "converted" / "smollm2-135m-kv0.125"))
 WORK = Path(os.environ.get("RECOVER_WORK", assets.cache_dir() / "recover_smollm2"))
-
-
-def _documents(text: str, size: int = 4000) -> list[str]:
-    documents, current, length = [], [], 0
-    for line in text.splitlines(keepends=True):
-        current.append(line)
-        length += len(line)
-        if length >= size:
-            documents.append("".join(current))
-            current, length = [], 0
-    if current:
-        documents.append("".join(current))
-    return documents
 
 
 def prepare(eval_tokens: int) -> None:

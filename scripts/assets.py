@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -38,6 +39,7 @@ __all__ = [
     "cache_dir",
     "default_model_gguf",
     "fetch_all",
+    "healing_text_path",
     "held_out_text_path",
     "held_out_token_ids",
     "kjv_text_path",
@@ -141,7 +143,43 @@ def python_docs_text_path() -> Path:
     return target
 
 
-FETCHERS = {"model": default_model_gguf, "kjv": kjv_text_path, "python_docs": python_docs_text_path}
+HEALING_FRACTION = 0.30  # the training part of each text: its start, far from the held-out slice a third in
+
+
+def _documents(text: str, size: int = 4000) -> list[str]:
+    """``text`` cut at line ends into documents of about ``size`` characters."""
+    documents, current, length = [], [], 0
+    for line in text.splitlines(keepends=True):
+        current.append(line)
+        length += len(line)
+        if length >= size:
+            documents.append("".join(current))
+            current, length = [], 0
+    if current:
+        documents.append("".join(current))
+    return documents
+
+
+def healing_text_path() -> Path:
+    """Training text for recovery that never touches the held-out slices (docs/recover.md, "Healing SmolLM2"): the
+    first 30% of the KJV and of the Python docs, cut into ~4000-character documents, the two interleaved, as
+    ``{"text": ...}`` lines of ``healing_train.jsonl`` beside the texts."""
+    target = _cached_text_path("kjv").with_name("healing_train.jsonl")
+    if target.exists():
+        return target
+    parts = []
+    for path in (kjv_text_path(), python_docs_text_path()):
+        text = path.read_text(encoding="utf-8")
+        parts.append(_documents(text[: text.rfind("\n", 0, int(len(text) * HEALING_FRACTION)) + 1]))
+    part = target.with_suffix(".part")
+    with open(part, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({"text": doc}) + "\n" for pair in zip(*parts) for doc in pair)
+    os.replace(part, target)
+    return target
+
+
+FETCHERS = {"model": default_model_gguf, "kjv": kjv_text_path, "python_docs": python_docs_text_path,
+            "healing_text": healing_text_path}
 
 
 def held_out_text_path(name: str) -> Path:
