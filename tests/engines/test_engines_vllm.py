@@ -200,7 +200,10 @@ def runs(work):
 def test_float32_with_the_rotary_workaround_equals_transformers(runs, case):
     run = runs(case)
     assert run["result"]["backend"] == "CPU_MLA" and run["config"]["dtype"] == "float32"
-    assert min(run["hf_margins"]) > 1e-2, "greedy decoding is decided by near-ties: raise LM_HEAD_SCALE"
+    # identical greedy tokens mean something only where every step's top-2 margin is well above how far the two
+    # engines' logprobs are apart
+    engines_apart = max(run["prompt_max_delta"], run["decode_max_delta"])
+    assert min(run["hf_margins"]) > 10 * engines_apart, "greedy decoding is decided by near-ties: raise LM_HEAD_SCALE"
     assert run["result"]["greedy"] == run["hf_greedy"]
     assert run["top1"] == 1.0
     assert run["prompt_max_delta"] < 1e-3 and run["decode_max_delta"] < 1e-3
