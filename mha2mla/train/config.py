@@ -91,7 +91,7 @@ class RecoverConfig(BaseModel):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="what the forwards and backwards compute in: bfloat16 (autocast over float32 trainable and "
         "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, float32 on a CPU "
-        "(where bf16 recovery was measured to diverge: docs/benchmarks.md)")
+        "(where bf16 recovery has not been measured within 2% of float32: docs/benchmarks.md)")
     mixed_precision: Literal["auto", "no", "bf16"] | None = Field(
         None, exclude=True, description="deprecated, read as --compute-dtype (no: float32, bf16: bfloat16, auto: auto)")
     eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: start and end only)")

@@ -122,7 +122,7 @@ class RecoveryRun:
         on CPU and GPU: the student's weights stay float32 (the trainable ones are AdamW's master weights, the
         merge reads them), the matmuls and attention of every forward and backward run in bf16, the losses in
         float32 (losses.py). float32 is no autocast at all."""
-        # auto is float32 on CPUs, where bf16 recovery was measured to diverge (docs/benchmarks.md, "compute dtype");
+        # auto is float32 on CPUs, where bf16 recovery is not yet measured within 2% of float32 (docs/benchmarks.md);
         # bfloat16 stays available by name
         self.compute_dtype = resolve_compute_dtype(self.config.compute_dtype, run_device().type, cpu_bf16=False)
         accelerator = start_accelerator("bf16" if self.compute_dtype == "bfloat16" else "no")
