@@ -66,7 +66,9 @@ class RecoverConfig(BaseModel):
 
     # what trains
     full_attention: bool = Field(False, description="train every attention parameter in full instead of LoRA")
-    lora: LoraSettings = Field(LoraSettings(), description="the LoRA adapter (unused with full_attention)")
+    full_layers: bool = Field(False, description="train every decoder-layer parameter in full (attention, MLP, norms; "
+                              "the embeddings and lm_head stay frozen) instead of LoRA")
+    lora: LoraSettings = Field(LoraSettings(), description="the LoRA adapter (unused with full_attention or full_layers)")
 
     # optimisation
     batch_size: int = Field(4, ge=1, description="sequences per micro-batch per process")
@@ -134,6 +136,11 @@ class RecoverConfig(BaseModel):
         if self.hidden_distill_weight > 0 and self.teacher is None:
             raise ValueError("--hidden-distill-weight needs a --teacher to distil from")
         return self
+
+    @property
+    def adapter(self) -> LoraSettings | None:
+        """The LoRA adapter to train, or None when parameters train in full (full_attention, full_layers)."""
+        return None if self.full_attention or self.full_layers else self.lora
 
     @property
     def tokens_per_step(self) -> int:

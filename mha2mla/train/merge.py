@@ -127,7 +127,7 @@ def gathered_model(run):
     run.accelerator.free_memory()
     if not run.is_main:
         return None
-    model = make_trainable(load_student(config.model, config.attn_implementation),
-                           None if config.full_attention else config.lora)
+    model = make_trainable(load_student(config.model, config.attn_implementation), config.adapter,
+                           layers=config.full_layers)
     load_trainable_state(model, trainable)
     return model

@@ -113,19 +113,22 @@ def _module_names(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
 
 
-def make_trainable(model: nn.Module, lora: LoraSettings | None) -> nn.Module:
+def make_trainable(model: nn.Module, lora: LoraSettings | None, layers: bool = False) -> nn.Module:
     """Wrap ``model`` in a peft LoRA model as ``lora`` says (adapters on its targets; with ``train_norms`` the
     model's kv_a_layernorm trains in full), or with ``lora=None`` unfreeze every parameter under ``self_attn``
-    and nothing else (full-attention training). Returns the model to train."""
+    and nothing else (full-attention training) or, with ``layers``, every parameter of the decoder layers
+    (attention, MLP, norms) while the embeddings, final norm and lm_head stay frozen (full-layer training).
+    Returns the model to train."""
     if lora is None:
         model.requires_grad_(False)
+        scope = ".layers." if layers else ".self_attn."
         count = 0
         for name, param in model.named_parameters():
-            if ".self_attn." in name:
+            if scope in name:
                 param.requires_grad_(True)
                 count += 1
         if count == 0:
-            raise UserError("the model has no self_attn parameters to train.")
+            raise UserError(f"the model has no {'decoder-layer' if layers else 'self_attn'} parameters to train.")
         return model
 
     present = _module_names(model)

@@ -112,7 +112,7 @@ class RecoveryRun:
         self.order = RowOrder(len(self.train_rows), config.seed)
         set_seed(config.seed)  # before the LoRA weights are drawn
         student = load_student(config.model, config.attn_implementation)
-        student = make_trainable(student, None if config.full_attention else config.lora)
+        student = make_trainable(student, config.adapter, layers=config.full_layers)
         self.setup_training(student, teacher)
         open_run_folder(self)
 
@@ -242,7 +242,7 @@ class RecoveryRun:
         if self.is_main:
             ckpt.save_checkpoint(
                 config.out_path, step, trainable, optimizer_state, self.scheduler.state_dict(), dict(self.state),
-                rng_states, adapter_model=None if config.full_attention else accelerator.unwrap_model(self.model),
+                rng_states, adapter_model=None if config.adapter is None else accelerator.unwrap_model(self.model),
                 keep=config.keep_checkpoints,
             )
         self.accelerator.wait_for_everyone()

@@ -146,6 +146,23 @@ def test_full_attention_trains_every_attention_parameter_only(tiny_mla, tmp_path
     assert any("kv_a_layernorm" in name for name in trainable)
 
 
+def test_full_layers_trains_the_decoder_layers_and_writes_them(tiny_mla, corpus, tmp_path):
+    """--full-layers: attention, MLP and norms of every layer train; embeddings, final norm and lm_head do not. The
+    written checkpoint holds the trained MLPs and the untouched embeddings."""
+    model = make_trainable(load_student(tiny_mla), None, layers=True)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {name for name, _ in model.named_parameters() if ".layers." in name}
+    assert any(".mlp." in name for name in trainable) and not any("embed_tokens" in name for name in trainable)
+    out = tmp_path / "layers"
+    report = recover(_config(tiny_mla, corpus, out, full_layers=True, max_steps=4, eval_every=0), show_progress=False)
+    assert report["trainable_parameters"] == sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    before = AutoModelForCausalLM.from_pretrained(tiny_mla).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    mlp = next(name for name in before if ".mlp." in name and name.endswith("weight"))
+    assert not torch.equal(before[mlp], after[mlp])
+    torch.testing.assert_close(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"], rtol=0, atol=0)
+
+
 def test_distillation_from_a_source_teacher(tiny_mla, corpus, tmp_path):
     teacher = build_source(tmp_path / "source", vocab_size=384)
     out = tmp_path / "distilled"
