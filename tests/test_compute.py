@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mha2mla import UserError
-from mha2mla import compute
+from mha2mla import UserError, compute
 
 
 def test_cpu_flags_read_from_cpuinfo(tmp_path: Path):
