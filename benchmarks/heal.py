@@ -3,7 +3,8 @@
 (16,384 tokens of the KJV and of the Python docs, 512-token windows, as benchmarks/quality.py) next to the source.
 
     python benchmarks/heal.py prepare                                   # training text + curve slices, once
-    OMP_NUM_THREADS=1 python benchmarks/heal.py run NAME --converted PATH -- --full-attention --lr 3e-4 ...
+    OMP_NUM_THREADS=1 python benchmarks/heal.py run NAME --converted PATH [--no-data] [--hidden-distill-weight H] -- \
+        --full-layers --lr 3e-4 ...
     python benchmarks/heal.py score NAME [NAME ...] [--converted PATH ...]   # JSON + Markdown table
 
 ``run`` passes everything after ``--`` to `mha2mla recover` (data, held-out curve slice, seq len 512 and the
@@ -51,11 +52,17 @@ def prepare(work: Path) -> None:
     print(f"training text and curve slices in {work}")
 
 
-def run(work: Path, name: str, converted: str, extra: list[str], no_data: bool) -> None:
-    """`mha2mla recover` as a user runs it (resumed if interrupted); wall time appended to WORK/NAME.wall.json."""
+def run(work: Path, name: str, converted: str, extra: list[str], no_data: bool, hidden: float | None = None) -> None:
+    """`mha2mla recover` as a user runs it (resumed if interrupted); wall time appended to WORK/NAME.wall.json.
+    ``hidden``: the layer-wise hidden-state distillation weight, which is no flag of the command (measured worse:
+    docs/benchmarks.md), given in a recipe WORK/NAME.recipe.yaml."""
     out = work / name
     given = set(extra)
     argv = [sys.executable, "-m", "mha2mla.cli.main", "recover", converted, "--out", str(out), "--no-progress"]
+    if hidden is not None:
+        recipe = work / f"{name}.recipe.yaml"
+        recipe.write_text(f"recover:\n  hidden_distill_weight: {hidden}\n", encoding="utf-8")
+        argv += ["--recipe", str(recipe)]
     if not no_data and "--data" not in given:
         argv += ["--data", str(assets.healing_text_path())]
     if "--eval-data" not in given:
@@ -112,13 +119,15 @@ def main() -> None:
     parser.add_argument("--converted", action="append", default=[])
     parser.add_argument("--work", type=Path, default=assets.cache_dir() / "heal")
     parser.add_argument("--no-data", action="store_true", help="no --data: the teacher generates the training text")
+    parser.add_argument("--hidden-distill-weight", type=float, help="layer-wise hidden-state distillation weight "
+                        "(set through a recipe: not a flag of mha2mla recover)")
     args = parser.parse_args(argv)
     if args.step == "prepare":
         prepare(args.work)
     elif args.step == "run":
         if len(args.names) != 1 or len(args.converted) != 1:
             parser.error("run takes one NAME and one --converted")
-        run(args.work, args.names[0], args.converted[0], extra, args.no_data)
+        run(args.work, args.names[0], args.converted[0], extra, args.no_data, args.hidden_distill_weight)
     else:
         score(args.work, args.names, args.converted)
 

@@ -20,7 +20,7 @@ FLAGS = Flags(
     settings=("data", "out", "teacher", "eval_data", "max_tokens", "max_steps", "seq_len", "batch_size", "grad_accum",
               "learning_rate", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio", "full_attention", "full_layers",
               "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.train_norms", "distill_weight",
-              "temperature", "hidden_distill_weight", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",
+              "temperature", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",
               "attn_implementation", "compute_dtype", "mixed_precision", "text_field", "seed", "generated_temperature",
               "generated_top_p"),
     arguments=("model",),

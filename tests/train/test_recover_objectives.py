@@ -60,6 +60,6 @@ def test_hidden_state_distillation_lowers_the_held_out_loss_and_the_state_gap(na
 
 
 def test_hidden_state_distillation_needs_a_teacher(narrow_pair, tmp_path):
-    with pytest.raises(ValueError, match="needs a --teacher"):
+    with pytest.raises(ValueError, match="needs a teacher"):
         RecoverConfig(model=str(narrow_pair[1]), data=[str(narrow_pair[2])], out=str(tmp_path / "o"), max_steps=1,
                       hidden_distill_weight=0.5)
