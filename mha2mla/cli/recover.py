@@ -16,8 +16,8 @@ from mha2mla.cli.settings import Flags, with_settings
 from mha2mla.extras import require_extra
 from mha2mla.train.config import RecoverConfig
 
-# settings a recipe may give but no flag shows: measured worse than the default and kept for benchmarks/heal.py to
-# re-measure (docs/recover.md, "Healing SmolLM2")
+# settings a recipe may give but no flag shows: off by default, kept for benchmarks/heal.py to re-measure
+# (why: docs/benchmarks.md, "Healing")
 RECIPE_ONLY = ("hidden_distill_weight",)
 
 FLAGS = Flags(
