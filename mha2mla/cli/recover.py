@@ -42,7 +42,7 @@ def recover_command(
     resume: Optional[str] = typer.Option(None, "--resume", help="auto (latest checkpoint in OUT) or a checkpoint folder."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
 ) -> None:
-    """Heal a converted MLA model: LoRA (or full attention) fine-tuning, optional distillation from the
+    """Heal a converted MLA model: LoRA (or full attention, or every layer) fine-tuning, optional distillation from the
     source, resumable checkpoints, and the merged native DeepSeek-V3 checkpoint written to OUT."""
     require_extra("recover", "`mha2mla recover`")
     from mha2mla.train.trainer import recover  # torch, accelerate, peft: only once a run starts

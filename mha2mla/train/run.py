@@ -1,7 +1,7 @@
 """``RecoveryRun``: one recovery run as a recipe object (the shape of a torchtune recipe, docs/recover.md).
 
 ``setup()`` checks the inputs, starts accelerate and builds the teacher, the data (the teacher's own text when there
-is no ``data``: generated.py), the student (LoRA or full attention), the optimizer and, on resume, restores the
+is no ``data``: generated.py), the student (LoRA, full attention or full layers), the optimizer and, on resume, restores the
 checkpoint; ``train()`` loops over ``train_step`` (the one optimizer step: forward, LM loss mixed with
 distillation, backward, clip, AdamW, scheduler) with periodic ``evaluate()`` (held-out perplexity) and
 ``save_checkpoint()``; ``export()`` writes the merged model and ``cleanup()`` lets go of everything.
