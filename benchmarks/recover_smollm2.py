@@ -35,7 +35,7 @@ from mha2mla.train.evaluate import packed_perplexity  # noqa: E402
 from mha2mla.train.model import load_teacher  # noqa: E402
 from scripts import assets  # noqa: E402
 from scripts.assets import HEALING_FRACTION as TRAIN_FRACTION  # noqa: E402  the healing text's split
-from scripts.assets import _documents
+from scripts.assets import _documents  # noqa: E402
 
 CONVERTED = Path(os.environ.get("RECOVER_CONVERTED", assets.cache_dir() / "converted" / "smollm2-135m-kv0.125"))
 WORK = Path(os.environ.get("RECOVER_WORK", assets.cache_dir() / "recover_smollm2"))
