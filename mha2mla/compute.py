@@ -10,8 +10,11 @@ solves never use it: they stay float32/float64 whatever it is. float32 is the ex
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal
+
+logger = logging.getLogger(__name__)
 
 ComputeDtype = Literal["auto", "float32", "bfloat16"]
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -42,16 +45,22 @@ def cpu_has_bf16(flags: set[str] | None = None) -> bool:
 
 def resolve_compute_dtype(name: str | None, device: str, cpu_bf16: bool = True) -> str:
     """``float32`` or ``bfloat16`` for ``name`` (auto, float32, bfloat16; None is auto) on ``device`` (a torch
-    device name: cpu, cuda, cuda:1, mps). ``cpu_bf16=False``: auto stays float32 on every CPU, for a command whose
-    bf16 path was measured harmful there (recover: docs/benchmarks.md, "compute dtype")."""
+    device name: cpu, cuda, cuda:1, mps). ``cpu_bf16=False``: auto stays float32 on every CPU, for a path whose bf16
+    was measured harmful there (recover with LoRA: docs/benchmarks.md, "compute dtype"). ``bfloat16`` asked for on a
+    CPU without native bf16 is kept, with a warning: it is emulated there."""
     name = "auto" if name is None else str(name).strip().lower()
     if name not in COMPUTE_DTYPES:
         from mha2mla import UserError
 
         raise UserError(f"--compute-dtype {name!r} is not a compute dtype; use auto, float32 or bfloat16.")
+    kind = str(device).split(":")[0]
+    if name == "bfloat16" and kind == "cpu" and not cpu_has_bf16():
+        # emulated bf16 multiplies far slower than float32 (docs/benchmarks.md, "compute dtype")
+        logger.warning("bfloat16 was asked for on a CPU without native bf16 (no AMX or AVX-512 BF16 in /proc/cpuinfo): "
+                       "its matmuls are emulated here and run many times slower than float32; use --compute-dtype auto "
+                       "or float32 on this machine.")
     if name != "auto":
         return name
-    kind = str(device).split(":")[0]
     if kind == "cuda":
         import torch
 

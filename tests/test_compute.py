@@ -50,3 +50,15 @@ def test_a_command_can_keep_float32_on_cpus(monkeypatch):
     monkeypatch.setattr(compute, "cpu_flags", lambda: {"amx_bf16"})
     assert compute.resolve_compute_dtype("auto", "cpu", cpu_bf16=False) == "float32"
     assert compute.resolve_compute_dtype("bfloat16", "cpu", cpu_bf16=False) == "bfloat16"
+
+
+def test_emulated_bf16_is_kept_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(compute, "cpu_flags", lambda: {"avx2"})
+    with caplog.at_level("WARNING", logger="mha2mla.compute"):
+        assert compute.resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"
+    assert "emulated" in caplog.text and "--compute-dtype auto" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(compute, "cpu_flags", lambda: {"avx512_bf16"})
+    with caplog.at_level("WARNING", logger="mha2mla.compute"):
+        assert compute.resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"
+    assert caplog.text == ""

@@ -122,9 +122,9 @@ class RecoveryRun:
         on CPU and GPU: the student's weights stay float32 (the trainable ones are AdamW's master weights, the
         merge reads them), the matmuls and attention of every forward and backward run in bf16, the losses in
         float32 (losses.py). float32 is no autocast at all."""
-        # auto is float32 on CPUs, where bf16 recovery is not yet measured within 2% of float32 (docs/benchmarks.md);
-        # bfloat16 stays available by name
-        self.compute_dtype = resolve_compute_dtype(self.config.compute_dtype, run_device().type, cpu_bf16=False)
+        # auto on a CPU with native bf16: bf16 when parameters train in full, float32 with LoRA (docs/benchmarks.md)
+        full = self.config.adapter is None
+        self.compute_dtype = resolve_compute_dtype(self.config.compute_dtype, run_device().type, cpu_bf16=full)
         accelerator = start_accelerator("bf16" if self.compute_dtype == "bfloat16" else "no")
         self.accelerator = accelerator
         self.world, self.rank = accelerator.num_processes, accelerator.process_index

@@ -62,12 +62,17 @@ def test_policy_follows_compute_dtype(tiny_mla, tmp_path, name, mixed, compute):
     assert stored == {torch.float32}  # weights (frozen and master) and gradients: float32 either way
 
 
-@pytest.mark.parametrize("flags, expected", [({"avx512_bf16"}, "float32"), ({"amx_bf16"}, "float32"), (set(), "float32")])
-def test_auto_is_float32_on_every_cpu(tiny_mla, tmp_path, monkeypatch, flags, expected):
-    """Recovery's auto keeps float32 on a CPU even with native bf16 (bf16 recovery measured harmful there)."""
+@pytest.mark.parametrize("flags, full, expected", [
+    ({"avx512_bf16"}, {}, "float32"), ({"amx_bf16"}, {}, "float32"), (set(), {}, "float32"),  # LoRA
+    ({"avx512_bf16"}, {"full_attention": True}, "bfloat16"), ({"amx_bf16"}, {"full_layers": True}, "bfloat16"),
+    (set(), {"full_layers": True}, "float32"),
+])
+def test_auto_follows_the_cpu_and_the_trainable_set(tiny_mla, tmp_path, monkeypatch, flags, full, expected):
+    """Recovery's auto: bf16 only on a CPU with native bf16 and only when parameters train in full; LoRA keeps
+    float32 (bf16 LoRA measured harmful)."""
     monkeypatch.setattr(mha2mla.compute, "cpu_flags", lambda *args: set(flags))
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
-    run = RecoveryRun(_config(tiny_mla, tiny_mla, tmp_path / "o"), show_progress=False)
+    run = RecoveryRun(_config(tiny_mla, tiny_mla, tmp_path / "o", **full), show_progress=False)
     run.start_accelerator()
     assert run.compute_dtype == expected
     assert run.accelerator.mixed_precision == ("bf16" if expected == "bfloat16" else "no")
