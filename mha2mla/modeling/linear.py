@@ -10,6 +10,7 @@ packed weight through ``torch.ops.mkldnn._linear_pointwise``: the same oneDNN pr
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -19,8 +20,20 @@ log = logging.getLogger(__name__)
 
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights for this device and dtype are packed: bf16 on a CPU with oneDNN."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether weights for this device and dtype are packed: bf16 on a CPU whose oneDNN can pack them (it refuses
+    on CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, where bf16 is emulated anyway)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and _can_pack()
+
+
+@functools.cache
+def _can_pack() -> bool:
+    """Whether oneDNN packs a bf16 weight on this CPU, tried once on a small one."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError) as error:
+        log.debug("bf16 weight packing unavailable (%s); using F.linear", error)
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
