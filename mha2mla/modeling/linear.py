@@ -38,14 +38,10 @@ def _can_pack() -> bool:
 
 def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
     """A (N, K) bf16 CPU weight in oneDNN's blocked layout (an opaque mkldnn tensor), or the weight as it is
-    when this PyTorch cannot pack it (then :func:`linear` uses ``F.linear``)."""
-    if weight is None:
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight)
-    except (RuntimeError, AttributeError) as error:  # a build without the op: unpacked, correct, slower
-        log.debug("bf16 weight packing unavailable (%s); using F.linear", error)
+    when this PyTorch or CPU cannot pack it (then :func:`linear` uses ``F.linear``)."""
+    if weight is None or not _can_pack():
         return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
