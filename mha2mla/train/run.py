@@ -42,7 +42,7 @@ from mha2mla.train.distributed import (
 from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.generated import prepare_rows
 from mha2mla.train.log import evaluate_and_log, open_run_folder, record_step
-from mha2mla.train.losses import distillation_loss, hidden_state_loss, lm_loss
+from mha2mla.train.losses import hidden_state_loss, lm_loss, logit_losses
 from mha2mla.train.merge import check_out_folder, gathered_model, recovery_report, write_recovered
 from mha2mla.train.model import (
     check_teacher_matches,
@@ -173,14 +173,15 @@ class RecoveryRun:
         mask, hidden = target_mask(batch["position_ids"]), config.hidden_distill_weight > 0
         with self.accelerator.autocast():
             output = self.model(**batch, use_cache=False, output_hidden_states=hidden)
-            language = lm_loss(output.logits, batch["input_ids"], mask)
             if self.teacher is None:
+                language = lm_loss(output.logits, batch["input_ids"], mask)
                 return language, language, zero, zero
             with torch.no_grad():
                 teacher = self.teacher(**batch, use_cache=False, output_hidden_states=hidden)
-            distill = distillation_loss(output.logits, teacher.logits, mask, config.temperature)
+            weight = config.distill_weight
+            loss, language, distill = logit_losses(output.logits, teacher.logits, batch["input_ids"], mask,
+                                                   1 - weight, weight, config.temperature)
             states = hidden_state_loss(output.hidden_states, teacher.hidden_states) if hidden else zero
-            loss = (1 - config.distill_weight) * language + config.distill_weight * distill
             return loss + config.hidden_distill_weight * states, language, distill, states
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:

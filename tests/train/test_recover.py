@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from common import SAMPLE_TEXT, build_source
 from transformers import AutoModelForCausalLM
 
 from mha2mla.recipes import build_settings
 from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, recover
 from mha2mla.train.data import RowOrder, pack_token_lists, target_mask
-from mha2mla.train.losses import distillation_loss
+from mha2mla.train import losses
 from mha2mla.train.merge import write_recovered
 from mha2mla.train.model import load_student, load_tokenizer, make_trainable
 from mha2mla.train.run import RecoveryRun
@@ -82,12 +83,48 @@ def test_packed_documents_do_not_attend_to_each_other(tiny_mla, attn_implementat
     torch.testing.assert_close(together[:, 7:], alone_b, atol=1e-5, rtol=1e-4)
 
 
-def test_distillation_loss_is_zero_only_for_matching_logits():
+def _reference_losses(logits, teacher, ids, mask, temperature):
+    """The LM and KL terms written out on whole (B, L-1, V) float64 tensors, as logit_losses defines them."""
+    student, targets = logits[:, :-1].double(), ids[:, 1:]
+    nll = F.cross_entropy(student.reshape(-1, student.shape[-1]), targets.reshape(-1), reduction="none")
+    log_p = F.log_softmax(student / temperature, dim=-1)
+    log_q = F.log_softmax(teacher[:, :-1].double() / temperature, dim=-1)
+    kl = (log_q.exp() * (log_q - log_p)).sum(-1).reshape(-1) * temperature**2
+    weights = mask.reshape(-1).double() / mask.sum()
+    return (nll * weights).sum(), (kl * weights).sum()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_logit_losses_match_the_plain_formulas_and_their_gradient(monkeypatch, temperature):
+    monkeypatch.setattr(losses, "CHUNK_POSITIONS", 3)  # several chunks per row, the last one short
     torch.manual_seed(0)
-    logits = torch.randn(2, 5, 11)
+    logits, teacher = torch.randn(2, 9, 11, dtype=torch.float64), torch.randn(2, 9, 11, dtype=torch.float64) * 2
+    ids, mask = torch.randint(0, 11, (2, 9)), torch.rand(2, 8) > 0.3
+    fused = logits.clone().requires_grad_()
+    total, lm, kl = losses.logit_losses(fused, teacher, ids, mask, 0.3, 0.7, temperature)
+    total.backward()
+    plain = logits.clone().requires_grad_()
+    ref_lm, ref_kl = _reference_losses(plain, teacher, ids, mask, temperature)
+    (0.3 * ref_lm + 0.7 * ref_kl).backward()
+    torch.testing.assert_close(lm.double(), ref_lm.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kl.double(), ref_kl.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(total.double(), (0.3 * ref_lm + 0.7 * ref_kl).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.grad, plain.grad, rtol=1e-5, atol=1e-7)
+    assert fused.grad[:, -1].abs().max() == 0 and plain.grad.abs().max() > 1e-3  # the last position is no target
+
+
+def test_kl_is_zero_only_for_matching_logits_and_bf16_logits_get_a_bf16_gradient():
+    torch.manual_seed(0)
+    logits, ids = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
     mask = torch.ones(2, 4, dtype=torch.bool)
-    assert distillation_loss(logits, logits, mask, temperature=2.0).abs() < 1e-6
-    assert distillation_loss(logits, torch.randn(2, 5, 11), mask, temperature=2.0) > 0.01
+    assert losses.logit_losses(logits, logits, ids, mask, 0.0, 1.0, 2.0)[2].abs() < 1e-6
+    assert losses.logit_losses(logits, torch.randn(2, 5, 11), ids, mask, 0.0, 1.0, 2.0)[2] > 0.01
+    half = logits.bfloat16().requires_grad_()
+    losses.lm_loss(half, ids, mask).backward()
+    assert half.grad.dtype == torch.bfloat16
+    reference = logits.bfloat16().float().requires_grad_()
+    _reference_losses(reference, logits, ids, mask, 1.0)[0].float().backward()
+    torch.testing.assert_close(half.grad.float(), reference.grad, rtol=2e-2, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------- training
