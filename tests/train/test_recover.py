@@ -355,7 +355,8 @@ def test_bad_recipe_or_option_is_one_sentence(tiny_mla, corpus, tmp_path, monkey
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_shipped_recipes_recover_sections_are_valid(path):
     config = build_settings("recover", path, {"model": "out/converted", "out": "out/recovered"})
-    assert config.data and config.teacher and config.max_tokens
+    assert config.data and config.max_tokens
+    assert (config.teacher is not None) == (config.distill_weight > 0)  # a teacher only where it is distilled from
 
 
 # ------------------------------------------------------------------------------------------- bad input
