@@ -46,13 +46,14 @@ def _chunk(logits, teacher, targets, weights, lm_weight, kl_weight, temperature,
     ``lm_weight * LM + kl_weight * KL`` with respect to its logits. LM: ``-log p[target]``, gradient
     ``p - onehot``; KL(q || p_T) times T^2 (p_T, q: student and teacher softmax at temperature T), gradient
     ``T (p_T - q)``; both times each position's weight."""
-    log_p = torch.log_softmax(logits.float(), dim=-1)  # (C, V)
+    student = logits.float()
+    log_p = torch.log_softmax(student, dim=-1)  # (C, V)
     nll = -log_p.gather(1, targets[:, None]).squeeze(1)
     parts[0] += (nll * weights).sum()
     grad = log_p.exp().mul_(lm_weight)  # lm_weight * p
     grad.scatter_add_(1, targets[:, None], torch.full_like(nll, -lm_weight)[:, None])
     if teacher is not None and kl_weight != 0:
-        log_p_t = log_p if temperature == 1 else torch.log_softmax(logits.float() / temperature, dim=-1)
+        log_p_t = log_p if temperature == 1 else torch.log_softmax(student / temperature, dim=-1)
         log_q = torch.log_softmax(teacher.float() / temperature, dim=-1)
         q = log_q.exp()
         per_position = log_q.sub_(log_p_t).mul_(q).sum(-1)  # sum q (log q - log p_T)
