@@ -70,6 +70,20 @@ def check_out_folder(config) -> None:
     check_destination(config.out_path, inputs, name="--out")
 
 
+def keep_input_config_keys(source: Path, written: Path) -> None:
+    """Put back into ``written`` every top-level key of the input's config.json that ``save_pretrained`` dropped.
+    transformers rebuilds config.json from its config class, which leaves out the keys mha2mla writes for engines
+    beside it, such as the top-level ``rope_theta`` that readers of the pre-v5 key take (docs/design.md, "Rope
+    scaling"). Without it such an engine falls back to its default theta and rotates the rope dims wrongly."""
+    if not source.is_file():
+        return
+    before = json.loads(source.read_text(encoding="utf-8"))
+    after = json.loads(written.read_text(encoding="utf-8"))
+    missing = {key: value for key, value in before.items() if key not in after}
+    if missing:
+        written.write_text(json.dumps({**after, **missing}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def write_recovered(
     model,
     tokenizer,
@@ -87,6 +101,7 @@ def write_recovered(
         plain = plain.to(stored_dtype(source_folder))
         plain.config.use_cache = True  # inference default in the written config
         plain.save_pretrained(str(staging))
+        keep_input_config_keys(source_folder / "config.json", staging / "config.json")
         tokenizer.save_pretrained(str(staging))
         write_absorbed(staging, plain.state_dict(), plain.config)
         if (source_folder / CONVERSION_REPORT).is_file():

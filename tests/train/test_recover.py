@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,6 +154,23 @@ def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_mla, corpus, 
     absorbed = load_file(str(out / "absorbed.safetensors"))
     kv_b = loaded.model.layers[1].self_attn.kv_b_proj.weight.detach()
     torch.testing.assert_close(absorbed["layers.1.w_uk"], kv_b.view(4, 32, 24)[:, :16])
+
+
+def test_the_written_config_keeps_the_converted_models_engine_keys(tiny_mla, corpus, tmp_path):
+    """save_pretrained rebuilds config.json from DeepseekV3Config and drops keys the converter writes for engines (the
+    pre-v5 top-level rope_theta, moe_layer_freq, the mha2mla block); the recovered folder keeps them, unchanged."""
+    model = tmp_path / "converted"
+    shutil.copytree(tiny_mla, model)
+    config = json.loads((model / "config.json").read_text())
+    theta = config["rope_parameters"]["rope_theta"]
+    extra = {"rope_theta": theta, "moe_layer_freq": 1, "mha2mla": {"version": "0.1.0", "profile": "portable"}}
+    (model / "config.json").write_text(json.dumps({**config, **extra}))
+    out = tmp_path / "recovered"
+    recover(_config(model, corpus, out, max_steps=2, eval_every=0), show_progress=False)
+    written = json.loads((out / "config.json").read_text())
+    assert {key: written.get(key) for key in extra} == extra
+    assert written["rope_parameters"]["rope_theta"] == theta and written["model_type"] == "deepseek_v3"
+    AutoModelForCausalLM.from_pretrained(out)  # still a plain transformers config
 
 
 def test_merged_output_has_the_peft_models_logits(tiny_mla, tmp_path):
