@@ -157,8 +157,8 @@ def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_mla, corpus, 
 
 
 def test_the_written_config_keeps_the_converted_models_engine_keys(tiny_mla, corpus, tmp_path):
-    """save_pretrained rebuilds config.json from DeepseekV3Config and drops keys the converter writes for engines (the
-    pre-v5 top-level rope_theta, moe_layer_freq, the mha2mla block); the recovered folder keeps them, unchanged."""
+    """save_pretrained rebuilds config.json from DeepseekV3Config, which drops the pre-v5 top-level rope_theta the
+    converter writes for engines; the recovered folder keeps it and the other keys written for engines, unchanged."""
     model = tmp_path / "converted"
     shutil.copytree(tiny_mla, model)
     config = json.loads((model / "config.json").read_text())
