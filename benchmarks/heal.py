@@ -6,11 +6,12 @@
     OMP_NUM_THREADS=1 python benchmarks/heal.py run NAME --converted PATH [--no-data] [--hidden-distill-weight H] -- \
         --full-layers --lr 3e-4 ...
     python benchmarks/heal.py score NAME [NAME ...] [--converted PATH ...]   # JSON + Markdown table
+    python benchmarks/heal.py regions NAME [NAME ...] [--converted PATH ...] # × source along each text
 
 ``run`` passes everything after ``--`` to `mha2mla recover` (data, held-out curve slice, seq len 512 and the
 output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text, for teacher-generated
 text). Training text: ``healing_text_path()`` (scripts/assets.py: the first 30% of the KJV and of the Python docs,
-~4000-character documents interleaved), far from the held-out slices, which start a third into each file. The curve slice
+~4000-character documents, as many of each, spread evenly and interleaved), far from the held-out slices, which start a third into each file. The curve slice
 is the first 2,048 tokens of each acceptance slice (8 rows of 512). WORK is --work (default ``$MHA2MLA_CACHE/heal``).
 """
 
@@ -109,12 +110,44 @@ def score(work: Path, names: list[str], converted: list[str]) -> None:
         print(f"| {row['model']} | {row.get('tokens', 0):,} | {row.get('wall_seconds', '')} | {cells} |")
 
 
+REGIONS = {"kjv": (0.1, 0.333, 0.6), "python_docs": (0.02, 0.08, 0.13, 0.2, 0.25, 0.333, 0.5, 0.75)}
+REGION_TOKENS = 4096
+
+
+def regions(work: Path, names: list[str], converted: list[str]) -> None:
+    """Perplexity on REGION_TOKENS tokens starting at several fractions of each text, for the source and each model
+    and its ratio to the source: how a healed model fares on its training text (the first 30%), on the held-out
+    slice (a third in) and beyond it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mha2mla.data.held_out import held_out_token_ids
+    from mha2mla.evaluation.perplexity import window_perplexity
+
+    models = [("source", resolve_source(assets.default_model_gguf())), *((Path(c).name, Path(c)) for c in converted),
+              *((n, work / n) for n in names)]
+    table: dict[str, dict[str, float]] = {}
+    for label, folder in models:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        for text, fractions in REGIONS.items():
+            for fraction in fractions:
+                ids = held_out_token_ids(tokenizer, assets.held_out_text_path(text), REGION_TOKENS, fraction)
+                table.setdefault(f"{text} at {fraction}", {})[label] = window_perplexity(model, ids, 512)
+    labels = [label for label, _ in models]
+    print(json.dumps(table, indent=1))
+    print("| region | " + " | ".join(labels) + " |\n|---|" + "---:|" * len(labels))
+    for region, row in table.items():
+        cells = [f"{row['source']:.2f}"] + [f"{row[x]:.2f} (×{row[x] / row['source']:.3f})" for x in labels[1:]]
+        print(f"| {region} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["prepare", "run", "score"])
+    parser.add_argument("step", choices=["prepare", "run", "score", "regions"])
     parser.add_argument("names", nargs="*")
     parser.add_argument("--converted", action="append", default=[])
     parser.add_argument("--work", type=Path, default=assets.cache_dir() / "heal")
@@ -128,6 +161,8 @@ def main() -> None:
         if len(args.names) != 1 or len(args.converted) != 1:
             parser.error("run takes one NAME and one --converted")
         run(args.work, args.names[0], args.converted[0], extra, args.no_data, args.hidden_distill_weight)
+    elif args.step == "regions":
+        regions(args.work, args.names, args.converted)
     else:
         score(args.work, args.names, args.converted)
 

@@ -160,20 +160,27 @@ def _documents(text: str, size: int = 4000) -> list[str]:
     return documents
 
 
+def healing_documents(texts: list[str]) -> list[str]:
+    """The recovery training documents from ``texts`` (docs/recover.md, "Healing SmolLM2"): the first
+    HEALING_FRACTION of each text cut into ~4000-character documents, as many from each text as the shortest of them
+    has, taken at even strides through the longer ones (so they cover the whole training part, not only its start),
+    and interleaved."""
+    parts = [_documents(text[: text.rfind("\n", 0, int(len(text) * HEALING_FRACTION)) + 1]) for text in texts]
+    count = min(len(part) for part in parts)
+    spread = [[part[i * len(part) // count] for i in range(count)] for part in parts]
+    return [doc for group in zip(*spread) for doc in group]
+
+
 def healing_text_path() -> Path:
-    """Training text for recovery that never touches the held-out slices (docs/recover.md, "Healing SmolLM2"): the
-    first 30% of the KJV and of the Python docs, cut into ~4000-character documents, the two interleaved, as
-    ``{"text": ...}`` lines of ``healing_train.jsonl`` beside the texts."""
-    target = _cached_text_path("kjv").with_name("healing_train.jsonl")
+    """Training text for recovery that never touches the held-out slices: ``healing_documents`` of the KJV and of
+    the Python docs, as ``{"text": ...}`` lines of ``healing_text.jsonl`` beside the texts."""
+    target = _cached_text_path("kjv").with_name("healing_text.jsonl")
     if target.exists():
         return target
-    parts = []
-    for path in (kjv_text_path(), python_docs_text_path()):
-        text = path.read_text(encoding="utf-8")
-        parts.append(_documents(text[: text.rfind("\n", 0, int(len(text) * HEALING_FRACTION)) + 1]))
+    texts = [path.read_text(encoding="utf-8") for path in (kjv_text_path(), python_docs_text_path())]
     part = target.with_suffix(".part")
     with open(part, "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps({"text": doc}) + "\n" for pair in zip(*parts) for doc in pair)
+        handle.writelines(json.dumps({"text": doc}) + "\n" for doc in healing_documents(texts))
     os.replace(part, target)
     return target
 
