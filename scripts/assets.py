@@ -161,20 +161,18 @@ def _documents(text: str, size: int = 4000) -> list[str]:
 
 
 def healing_documents(texts: list[str]) -> list[str]:
-    """The recovery training documents from ``texts`` (docs/recover.md, "Healing SmolLM2"): the first
-    HEALING_FRACTION of each text cut into ~4000-character documents, as many from each text as the shortest of them
-    has, taken at even strides through the longer ones (so they cover the whole training part, not only its start),
-    and interleaved."""
+    """The recovery training documents from ``texts`` (docs/recover.md, "Healing SmolLM2"): every ~4000-character
+    document of the first HEALING_FRACTION of each text, so each text weighs as much as it is long, interleaved by
+    position (a document a fifth into its text sits beside the others' documents a fifth in)."""
     parts = [_documents(text[: text.rfind("\n", 0, int(len(text) * HEALING_FRACTION)) + 1]) for text in texts]
-    count = min(len(part) for part in parts)
-    spread = [[part[i * len(part) // count] for i in range(count)] for part in parts]
-    return [doc for group in zip(*spread) for doc in group]
+    keyed = [(i / len(part), t, doc) for t, part in enumerate(parts) for i, doc in enumerate(part)]
+    return [doc for _, _, doc in sorted(keyed, key=lambda item: item[:2])]
 
 
 def healing_text_path() -> Path:
     """Training text for recovery that never touches the held-out slices: ``healing_documents`` of the KJV and of
-    the Python docs, as ``{"text": ...}`` lines of ``healing_text.jsonl`` beside the texts."""
-    target = _cached_text_path("kjv").with_name("healing_text.jsonl")
+    the Python docs, as ``{"text": ...}`` lines of ``healing_documents.jsonl`` beside the texts."""
+    target = _cached_text_path("kjv").with_name("healing_documents.jsonl")
     if target.exists():
         return target
     texts = [path.read_text(encoding="utf-8") for path in (kjv_text_path(), python_docs_text_path())]

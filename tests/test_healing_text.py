@@ -1,5 +1,5 @@
-"""The recovery training text (scripts/assets.py, docs/recover.md "Healing SmolLM2"): only the first 30% of each
-text, the same number of documents from each, spread over the whole of that 30% for the longer text."""
+"""The recovery training text (scripts/assets.py, docs/recover.md "Healing SmolLM2"): every document of the first 30%
+of each text, never beyond it, interleaved by position in its text."""
 
 from __future__ import annotations
 
@@ -19,18 +19,17 @@ def _index(document: str) -> tuple[str, int]:
     return match.group(1), int(match.group(2))
 
 
-def test_healing_documents_interleave_equal_counts_from_the_first_part_only():
+def test_healing_documents_take_every_document_of_the_first_part_only():
     documents = [_index(d) for d in healing_documents([_text("A", 100), _text("B", 310)])]
     a = [i for tag, i in documents if tag == "A"]
     b = [i for tag, i in documents if tag == "B"]
-    assert [tag for tag, _ in documents] == ["A", "B"] * len(a)  # interleaved one to one
-    assert len(a) == len(b) == 30  # the short text's lines that end by 30% of it
-    assert a == list(range(30))  # the short text whole, in order
+    assert a == list(range(30))  # the lines that end by 30% of the short text, whole, in order
+    assert b == list(range(93))  # and of the long one: each text weighs as much as it is long
     assert max(a) < 100 * HEALING_FRACTION and max(b) < 310 * HEALING_FRACTION  # never the held-out slice a third in
 
 
-def test_healing_documents_spread_over_the_longer_texts_whole_training_part():
-    b = [i for tag, i in map(_index, healing_documents([_text("A", 100), _text("B", 310)])) if tag == "B"]
-    assert b == sorted(set(b))  # in text order, no document twice
-    assert b[0] == 0 and b[-1] == 89  # from its start to the end of its 93 training lines, not only the start
-    assert {later - earlier for earlier, later in zip(b, b[1:])} == {3, 4}  # even strides (93 / 30)
+def test_healing_documents_interleave_by_position_in_their_text():
+    documents = [_index(d) for d in healing_documents([_text("A", 100), _text("B", 310)])]
+    positions = [i / (30 if tag == "A" else 93) for tag, i in documents]
+    assert positions == sorted(positions)  # a document a fifth into its text sits by the others' a fifth in
+    assert documents[:2] == [("A", 0), ("B", 0)] and documents[-1] == ("B", 92)
