@@ -12,7 +12,8 @@
 output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text, for teacher-generated
 text). Training text: ``healing_text_path()`` (scripts/assets.py: the first 30% of the KJV and of the Python docs,
 every ~4000-character document of those parts, interleaved by position), far from the held-out slices, which
-start a third into each file. The curve slice is the first 2,048 tokens of each acceptance slice (8 rows of 512). WORK is --work (default ``$MHA2MLA_CACHE/heal``).
+start a third into each file. The curve slice is the first 2,048 tokens of each acceptance slice (8 rows of 512).
+WORK is --work (default ``$MHA2MLA_CACHE/heal``).
 """
 
 from __future__ import annotations
