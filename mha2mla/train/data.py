@@ -35,6 +35,7 @@ class PackedSequences:
     position_ids: torch.Tensor
     num_documents: int
     dropped_tokens: int  # the tail that did not fill a last row
+    unread: bool = False  # max_rows filled before the documents ran out; the rest was not read
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -45,7 +46,8 @@ class PackedSequences:
     def split(self, count: int) -> tuple[PackedSequences, PackedSequences]:
         """The first ``count`` rows and the rest."""
         head = PackedSequences(self.input_ids[:count], self.position_ids[:count], 0, 0)
-        tail = PackedSequences(self.input_ids[count:], self.position_ids[count:], self.num_documents, self.dropped_tokens)
+        tail = PackedSequences(self.input_ids[count:], self.position_ids[count:], self.num_documents,
+                               self.dropped_tokens, self.unread)
         return head, tail
 
 
@@ -55,12 +57,15 @@ class PackedSequences:
 def pack_token_lists(documents: Iterable[list[int]], seq_len: int, max_rows: int | None = None) -> PackedSequences:
     """Concatenate tokenized documents and cut them into rows of ``seq_len`` (the last partial row is dropped).
 
-    Returns at most ``max_rows`` rows (stops consuming documents once they are filled)."""
+    Returns at most ``max_rows`` rows: documents are consumed in order and reading stops once the rows are filled
+    (``unread`` says whether a document was left), so a large or streamed corpus is never read whole."""
     ids: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
     doc_index: list[torch.Tensor] = []
     total = 0
     num_documents = 0
+    unread = False
+    documents = iter(documents)
     for tokens in documents:
         if not tokens:
             continue
@@ -71,6 +76,7 @@ def pack_token_lists(documents: Iterable[list[int]], seq_len: int, max_rows: int
         num_documents += 1
         total += len(tokens)
         if max_rows is not None and total >= max_rows * seq_len:
+            unread = next(documents, None) is not None
             break
     rows = total // seq_len if max_rows is None else min(total // seq_len, max_rows)
     if rows == 0:
@@ -82,7 +88,7 @@ def pack_token_lists(documents: Iterable[list[int]], seq_len: int, max_rows: int
     # a document cut by a row boundary restarts its positions at the row start
     continues = documents_of == documents_of[:, :1]
     position_ids = torch.where(continues, position_ids - position_ids[:, :1], position_ids)
-    return PackedSequences(input_ids, position_ids, num_documents, total - used)
+    return PackedSequences(input_ids, position_ids, num_documents, total - used, unread)
 
 
 def tokenize_documents(tokenizer, documents: Iterable[str]) -> Iterator[list[int]]:
@@ -107,6 +113,10 @@ def build_packed(tokenizer, sources: list[str], seq_len: int, text_field: str | 
             f"of {seq_len}; give more text or a smaller --seq-len."
         )
     log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)
+    if packed.unread:
+        log.warning("%s: the run's %d rows are filled by the first %d documents; the rest of %s is not read (documents "
+                    "are taken in order: shuffle a corpus sorted by source or topic)", what, len(packed),
+                    packed.num_documents, ", ".join(sources))
     return packed
 
 

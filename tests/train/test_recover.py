@@ -63,6 +63,24 @@ def test_packing_restarts_positions_per_document():
     assert target_mask(packed.position_ids).tolist() == [[True, True, False], [False, True, True], [True, True, False]]
 
 
+def test_packing_stops_reading_once_the_rows_are_filled_and_says_so():
+    read = []
+
+    def documents():
+        for doc in ([1, 2, 3], [4, 5], [6, 7, 8], [9, 10]):
+            read.append(doc[0])
+            yield doc
+
+    packed = pack_token_lists(documents(), seq_len=2, max_rows=2)
+    assert packed.input_ids.tolist() == [[1, 2], [3, 4]]
+    assert packed.num_documents == 2 and packed.unread
+    assert read == [1, 4, 6]  # one document past the budget is looked at, not the whole corpus
+    held_out, train = packed.split(1)
+    assert train.unread
+    whole = pack_token_lists(documents(), seq_len=2, max_rows=5)
+    assert len(whole) == 5 and not whole.unread
+
+
 def test_row_order_is_a_seeded_permutation_per_epoch():
     order = RowOrder(5, seed=3)
     first, second = order.rows(0, 5), order.rows(5, 5)
