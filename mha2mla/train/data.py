@@ -113,11 +113,15 @@ def build_packed(tokenizer, sources: list[str], seq_len: int, text_field: str | 
             f"of {seq_len}; give more text or a smaller --seq-len."
         )
     log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)
-    if packed.unread:
-        log.warning("%s: the run's %d rows are filled by the first %d documents; the rest of %s is not read (documents "
-                    "are taken in order: shuffle a corpus sorted by source or topic)", what, len(packed),
-                    packed.num_documents, ", ".join(sources))
     return packed
+
+
+def _warn_if_unread(packed: PackedSequences, sources: list[str]) -> None:
+    """Say when the token budget was filled before the training text ended (docs/recover.md, "Data")."""
+    if packed.unread:
+        log.warning("training data: the run's %d rows are filled by the first %d documents; the rest of %s is not read "
+                    "(documents are taken in order: shuffle a corpus sorted by source or topic)", len(packed),
+                    packed.num_documents, ", ".join(sources))
 
 
 def target_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -162,10 +166,12 @@ def prepare_data(config, tokenizer, rows_needed: int) -> tuple[PackedSequences, 
     ``eval_sequences`` is 0). A run without ``data`` takes teacher-generated text instead (generated.py)."""
     if config.eval_data:
         train = build_packed(tokenizer, config.data, config.seq_len, config.text_field, rows_needed, "training data")
+        _warn_if_unread(train, config.data)
         return train, evaluation_rows(config, tokenizer)
     packed = build_packed(
         tokenizer, config.data, config.seq_len, config.text_field, rows_needed + config.eval_sequences, "training data"
     )
+    _warn_if_unread(packed, config.data)
     if config.eval_sequences == 0:
         return packed, None
     if len(packed) <= config.eval_sequences:
