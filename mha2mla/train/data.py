@@ -164,14 +164,13 @@ def evaluation_rows(config, tokenizer) -> PackedSequences:
 def prepare_data(config, tokenizer, rows_needed: int) -> tuple[PackedSequences, PackedSequences | None]:
     """The training rows and the held-out rows (``eval_data``, or the first rows of the training data; None when
     ``eval_sequences`` is 0). A run without ``data`` takes teacher-generated text instead (generated.py)."""
-    if config.eval_data:
-        train = build_packed(tokenizer, config.data, config.seq_len, config.text_field, rows_needed, "training data")
-        _warn_if_unread(train, config.data)
-        return train, evaluation_rows(config, tokenizer)
+    held_out_here = 0 if config.eval_data else config.eval_sequences
     packed = build_packed(
-        tokenizer, config.data, config.seq_len, config.text_field, rows_needed + config.eval_sequences, "training data"
+        tokenizer, config.data, config.seq_len, config.text_field, rows_needed + held_out_here, "training data"
     )
     _warn_if_unread(packed, config.data)
+    if config.eval_data:
+        return packed, evaluation_rows(config, tokenizer)
     if config.eval_sequences == 0:
         return packed, None
     if len(packed) <= config.eval_sequences:
