@@ -16,6 +16,7 @@ import torch
 from mha2mla import UserError
 from mha2mla.devices import resolve_device
 from mha2mla.io.cache import cached_default_model
+from mha2mla.modeling.sdpa import mla_attention_for
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_causal_lm_folder(folder: Path) -> None:
+def _check_causal_lm_folder(folder: Path) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config_file = folder / "config.json"
@@ -65,6 +66,7 @@ def _check_causal_lm_folder(folder: Path) -> None:
         raise UserError(
             f"{folder} holds {what}{arch}, not a causal language model; eval needs a *ForCausalLM checkpoint."
         )
+    return config
 
 
 def check_model_spec(spec: str | Path) -> None:
@@ -104,14 +106,16 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str 
         kind, name = "gguf", path.stem
         model, tokenizer = load_gguf_model(path, torch_dtype)
     elif path.is_dir():
-        _check_causal_lm_folder(path)
+        config = _check_causal_lm_folder(path)
         kind, name = "folder", path.name
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except (ValueError, OSError) as error:
             raise UserError(f"{path} has no usable tokenizer ({str(error).splitlines()[0][:200]}).") from None
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch_dtype, attn_implementation=mla_attention_for(config)
+            )
         except OSError as error:
             raise UserError(
                 f"could not load the weights in {path} ({str(error).splitlines()[0][:200]})."

@@ -14,6 +14,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla import UserError
 from mha2mla.io.source import load_gguf_model
+from mha2mla.modeling.sdpa import mla_attention_for
 from mha2mla.train.config import TRAINABLE_NORMS, LoraSettings
 
 log = logging.getLogger(__name__)
@@ -49,16 +50,16 @@ def read_model_config(folder: str | Path) -> dict:
 
 
 def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
-    """The converted DeepSeek-V3 MLA model, in ``dtype`` (fp32 master weights for training)."""
+    """The converted DeepSeek-V3 MLA model, in ``dtype`` (fp32 master weights for training); ``sdpa`` runs as
+    ``mha2mla_sdpa`` (mha2mla/modeling/sdpa.py) so that the fused kernels serve MLA's unequal head dims."""
     config = read_model_config(folder)
     if config.get("model_type") != "deepseek_v3":
         raise UserError(
             f"{folder} is a {config.get('model_type')!r} model, not a converted DeepSeek-V3 MLA model; "
             "run `mha2mla convert` first."
         )
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype, attn_implementation=resolve_attn_implementation(attn_implementation)
-    )
+    implementation = mla_attention_for(config, resolve_attn_implementation(attn_implementation))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=implementation)
     model.config.use_cache = False
     return model
 
