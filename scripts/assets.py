@@ -160,31 +160,44 @@ def _documents(text: str, size: int = 4000) -> list[str]:
     return documents
 
 
-def healing_documents(texts: list[str]) -> list[str]:
+def healing_documents(texts: list[str], balanced: bool = False) -> list[str]:
     """The recovery training documents from ``texts`` (docs/recover.md, "Healing SmolLM2"): every ~4000-character
     document of the first HEALING_FRACTION of each text, so each text weighs as much as it is long, interleaved by
-    position (a document a fifth into its text sits beside the others' documents a fifth in)."""
+    position (a document a fifth into its text sits beside the others' documents a fifth in). ``balanced``: as many
+    documents from each text as the shortest part has, taken at even strides through the longer parts (so they span
+    the whole first HEALING_FRACTION), one from each text in turn: the texts weigh alike."""
     parts = [_documents(text[: text.rfind("\n", 0, int(len(text) * HEALING_FRACTION)) + 1]) for text in texts]
+    if balanced:
+        count = min(len(part) for part in parts)
+        spread = [[part[i * len(part) // count] for i in range(count)] for part in parts]
+        return [doc for group in zip(*spread) for doc in group]
     keyed = [(i / len(part), t, doc) for t, part in enumerate(parts) for i, doc in enumerate(part)]
     return [doc for _, _, doc in sorted(keyed, key=lambda item: item[:2])]
 
 
-def healing_text_path() -> Path:
+def healing_text_path(balanced: bool = False) -> Path:
     """Training text for recovery that never touches the held-out slices: ``healing_documents`` of the KJV and of
-    the Python docs, as ``{"text": ...}`` lines of ``healing_documents.jsonl`` beside the texts."""
-    target = _cached_text_path("kjv").with_name("healing_documents.jsonl")
+    the Python docs, as ``{"text": ...}`` lines of ``healing_documents.jsonl`` (``balanced``:
+    ``healing_balanced.jsonl``) beside the texts."""
+    name = "healing_balanced.jsonl" if balanced else "healing_documents.jsonl"
+    target = _cached_text_path("kjv").with_name(name)
     if target.exists():
         return target
     texts = [path.read_text(encoding="utf-8") for path in (kjv_text_path(), python_docs_text_path())]
     part = target.with_suffix(".part")
     with open(part, "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps({"text": doc}) + "\n" for doc in healing_documents(texts))
+        handle.writelines(json.dumps({"text": doc}) + "\n" for doc in healing_documents(texts, balanced))
     os.replace(part, target)
     return target
 
 
+def balanced_healing_text_path() -> Path:
+    """``healing_text_path(balanced=True)``: the training text of the 12.5% healing recipe."""
+    return healing_text_path(balanced=True)
+
+
 FETCHERS = {"model": default_model_gguf, "kjv": kjv_text_path, "python_docs": python_docs_text_path,
-            "healing_text": healing_text_path}
+            "healing_text": healing_text_path, "healing_balanced": balanced_healing_text_path}
 
 
 def held_out_text_path(name: str) -> Path:

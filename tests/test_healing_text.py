@@ -33,3 +33,13 @@ def test_healing_documents_interleave_by_position_in_their_text():
     positions = [i / (30 if tag == "A" else 93) for tag, i in documents]
     assert positions == sorted(positions)  # a document a fifth into its text sits by the others' a fifth in
     assert documents[:2] == [("A", 0), ("B", 0)] and documents[-1] == ("B", 92)
+
+
+def test_balanced_healing_documents_take_as_many_from_each_text_spread_over_its_first_part():
+    documents = [_index(d) for d in healing_documents([_text("A", 100), _text("B", 310)], balanced=True)]
+    assert [tag for tag, _ in documents] == ["A", "B"] * 30  # one from each text in turn: the texts weigh alike
+    a = [i for tag, i in documents if tag == "A"]
+    b = [i for tag, i in documents if tag == "B"]
+    assert a == list(range(30))  # the short text's whole first part
+    assert b == [i * 93 // 30 for i in range(30)]  # even strides through the long text's first part...
+    assert b[0] == 0 and b[-1] > 0.9 * 93 and max(b) < 310 * HEALING_FRACTION  # ...spanning it, never beyond
