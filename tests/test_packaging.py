@@ -115,7 +115,7 @@ def test_core_dependencies_leave_the_extras_out():
 
 
 def test_a_checkout_finds_its_own_cache(monkeypatch):
-    """Run from a checkout, the library reads the cache that scripts/assets.py (make assets) fills."""
+    """Run from a checkout, the library reads the cache that the entry point scripts/assets.py (make assets) fills."""
     from mha2mla.io.cache import cache_dir
 
     monkeypatch.delenv("MHA2MLA_CACHE", raising=False)

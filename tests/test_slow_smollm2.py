@@ -9,16 +9,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.convert.pipeline import convert
+from mha2mla.data.held_out import held_out_token_ids
 from mha2mla.evaluation.perplexity import window_perplexity
+from mha2mla.io.cache import cached_default_model, cached_held_out_text  # `make test-slow` fetches them first
 from mha2mla.io.source import resolve_source
-from scripts.assets import default_model_gguf, held_out_token_ids  # fetched on first use
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def source():
-    return resolve_source(default_model_gguf())
+    return resolve_source(cached_default_model())
 
 
 def perplexity(folder, ids):
@@ -36,6 +37,6 @@ def test_calibrated_portable_conversion_of_smollm2_keeps_perplexity_within_2_4x(
     assert result.plan.extra_channel == "stabilizer"
     assert check_portable_folder(out) == []
     tokenizer = AutoTokenizer.from_pretrained(source)
-    ids = held_out_token_ids(tokenizer, "kjv", 2048)
+    ids = held_out_token_ids(tokenizer, cached_held_out_text("kjv"), 2048)
     ratio = perplexity(out, ids) / perplexity(source, ids)
     assert ratio < 2.4, ratio

@@ -3,7 +3,7 @@
 The held-out slice of a text starts ``start_fraction`` (a third) of the way in, on a line boundary; it is never
 used for calibration (the bundled sample or the first part of a file) nor for recovery training. The texts
 themselves (King James Bible, Python 3.11 docs) are fetched into the cache by ``make assets``
-(``mha2mla.io.cache.held_out_text_path`` names their files); any other text file works the same way.
+(``mha2mla.io.cache.cached_held_out_text`` returns their files); any other text file works the same way.
 """
 
 from __future__ import annotations

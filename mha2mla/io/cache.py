@@ -3,9 +3,10 @@
 One location for the CLI, the library, ``make`` and the recipes: ``$MHA2MLA_CACHE`` when set; else, when mha2mla runs
 from a source checkout (the folder holding ``scripts/assets.py``, which fills the cache), that checkout's git-ignored
 ``.cache/`` -- the path the recipes and docs name as ``.cache/...``; else (an installed wheel) ``~/.cache/mha2mla``.
-The library only reads from it and writes its own derived files (dequantised GGUF folders, eval task files); fetching
-the default model and the held-out texts is the job of ``scripts/assets.py`` (``make assets``), which writes them to
-the paths below (see docs/eval.md).
+The library only reads from it and writes its own derived files (dequantised GGUF folders, eval task files, the healing
+text of ``mha2mla.io.assets``); fetching the default model and the held-out texts runs package managers, so it is the
+job of the checkout's entry point ``scripts/assets.py`` (``make assets``), which writes them to the paths below (see
+docs/eval.md).
 """
 
 from __future__ import annotations

@@ -264,12 +264,12 @@ def test_converted_smollm2_matches_transformers(tmp_path):
     of magnitude ~30, so a looser absolute tolerance than on the tiny models), 5,760 cache bytes per token."""
     import subprocess
 
-    from scripts.assets import cache_dir, default_model_gguf  # fetched on first use
+    from mha2mla.io.cache import cache_dir, cached_default_model  # `make test-slow` fetches it first
 
     folder = cache_dir() / "converted" / "smollm2-135m-kv0.125"
     if not (folder / "absorbed.json").exists():
         folder = tmp_path / "smollm2-135m-kv0.125"
-        subprocess.run([sys.executable, "-m", "mha2mla.cli.main", "convert", str(default_model_gguf()), str(folder),
+        subprocess.run([sys.executable, "-m", "mha2mla.cli.main", "convert", str(cached_default_model()), str(folder),
                         "--kv-budget", "0.125", "--profile", "portable", "--no-progress"], check=True)
     engine = MLAEngine.from_pretrained(folder, compute_dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
