@@ -492,7 +492,7 @@ def flash_mla_triton(
     assert k_nope.shape[:2] == (batch, heads) and v.shape[:3] == (batch, heads, k_len), (q.shape, k_nope.shape, v.shape)
     assert k_pe.shape[:2] == (batch, k_len) and d_qk == k_nope.shape[3] + k_pe.shape[2], (q.shape, k_nope.shape, k_pe.shape)
     assert q_len <= k_len, "queries must be the last Tq of the Tk key positions"
-    assert q.dtype == k_nope.dtype == k_pe.dtype == v.dtype, "q, k_nope, k_pe and v must share one dtype"
+    assert q.dtype == k_nope.dtype == k_pe.dtype == v.dtype, "one dtype (ops.flash_mla_attention resolves mixed ones)"
     q, k_nope, k_pe, v = (_last_dim_contiguous(t) for t in (q, k_nope, k_pe, v))
     config = config or default_config(d_qk, v.shape[3])
     q_seg = k_seg = first_key = last_query = None

@@ -5,10 +5,25 @@ module imports without Triton (CPU installs) and compiles nothing until a kernel
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mha2mla.kernels import reference
 from mha2mla.kernels.backend import choose_backend
+
+
+def attention_compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype MLA attention computes in (its tiles; scores, softmax and sums stay float32 inside).
+
+    Under ``torch.autocast`` for the tensors' device it is the autocast dtype, as for a matmul: transformers
+    builds q, k_nope, k_pe and v from projections (autocast's dtype) and rotary products (float32), so under
+    autocast they arrive in mixed dtypes. Outside autocast mixed inputs are promoted (torch.promote_types), so
+    the result is exact for the widest input."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
 
 def flash_mla_attention(
@@ -26,7 +41,11 @@ def flash_mla_attention(
 
     q (B, H, Tq, d_n + d_r), k_nope (B, H, Tk, d_n), k_pe (B, Tk, d_r) shared by all heads (a
     (B, 1, Tk, d_r) tensor is accepted too), v (B, H, Tk, d_v) -> (B, H, Tq, d_v).
-    Packed sequences: ``segment_ids`` (B, Tk) int, or ``cu_seqlens`` (N+1,) with B == 1."""
+    Packed sequences: ``segment_ids`` (B, Tk) int, or ``cu_seqlens`` (N+1,) with B == 1.
+    The inputs are cast to :func:`attention_compute_dtype` (the output's dtype); gradients flow back to each
+    input in its own dtype."""
+    dtype = attention_compute_dtype(q, k_nope, k_pe, v)
+    q, k_nope, k_pe, v = (t.to(dtype) for t in (q, k_nope, k_pe, v))  # no-ops when already in dtype
     if k_pe.dim() == 4:
         assert k_pe.shape[1] == 1, f"k_pe must be shared by all heads, got {tuple(k_pe.shape)}"
         k_pe = k_pe[:, 0]  # (B, Tk, d_r)

@@ -10,11 +10,20 @@ import os
 
 import pytest
 import torch
+from kernel_checks import (
+    DEVICE,
+    FP32_ATOL,
+    TOLERANCE,
+    assert_matches_reference,
+    attention_inputs,
+    decode_inputs,
+    forward_and_grads,
+    max_abs_err,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mha2mla import UserError
 from mha2mla.kernels import (
-    ATTENTION_NAME,
     choose_backend,
     decode_attention_backend,
     flash_mla_attention,
@@ -26,54 +35,6 @@ from mha2mla.kernels import (
     mla_decode_unabsorbed_reference,
 )
 from mha2mla.kernels.reference import segment_ids_from_cu_seqlens, segment_ids_from_position_ids
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-FP32_ATOL = 1e-5
-TOLERANCE = {  # (atol, rtol) for 16-bit inputs against the fp32 reference on the same inputs
-    torch.float16: (1e-2, 1e-2),
-    torch.bfloat16: (6e-2, 5e-2),
-}
-
-
-def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-
-
-def attention_inputs(batch, heads, q_len, k_len, d_nope, d_rope, d_v, dtype=torch.float32, seed=0):
-    """q (B, H, Tq, d_n + d_r), k_nope (B, H, Tk, d_n), k_pe (B, Tk, d_r), v (B, H, Tk, d_v), leaves."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def leaf(*shape):
-        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype).requires_grad_(True)
-
-    return (leaf(batch, heads, q_len, d_nope + d_rope), leaf(batch, heads, k_len, d_nope), leaf(batch, k_len, d_rope),
-            leaf(batch, heads, k_len, d_v))
-
-
-def forward_and_grads(fn, inputs, grad_out=None, **kwargs):
-    out = fn(*inputs, **kwargs)
-    if grad_out is None:
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    return out, grads, grad_out
-
-
-def assert_matches_reference(inputs, atol=FP32_ATOL, rtol=0.0, **kwargs):
-    """Kernel vs reference: output and the gradients of q, k_nope, k_pe (summed over heads), v."""
-    out, grads, grad_out = forward_and_grads(flash_mla_attention, inputs, backend="triton", **kwargs)
-    ref_kwargs = {k: v for k, v in kwargs.items() if k != "cu_seqlens"}
-    if "cu_seqlens" in kwargs:
-        ref_kwargs["segment_ids"] = segment_ids_from_cu_seqlens(kwargs["cu_seqlens"], inputs[1].shape[2])
-    ref, ref_grads, _ = forward_and_grads(flash_mla_reference, inputs, grad_out, **ref_kwargs)
-    names = ["out", "dq", "dk_nope", "dk_pe", "dv"]
-    errors = {}
-    for name, got, want in zip(names, (out, *grads), (ref, *ref_grads)):
-        assert got.shape == want.shape and got.dtype == want.dtype, name
-        assert torch.isfinite(got).all(), name
-        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
-        errors[name] = max_abs_err(got, want)
-    return errors
-
 
 # --------------------------------------------------------------------------- training / prefill kernel
 
@@ -241,21 +202,6 @@ def test_latent_cache_decode_backends_agree(dtype):
 
 # --------------------------------------------------------------------------------------------- decode
 
-
-def decode_inputs(batch, heads, max_len, d_nope, d_rope, d_v, rank, dtype=torch.float32, seed=0, spare_rows=5):
-    """q_nope (B, H, d_n), q_pe (B, H, d_r), latent_cache (B, T, r + d_r) a strided slice of a longer
-    buffer (as a preallocated cache is), w_uk (H, d_n, r), w_uv (H, d_v, r)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen)).to(device=DEVICE, dtype=dtype)
-
-    buffer = rand(batch, max_len + spare_rows, rank + d_rope)  # (B, T + spare, r + d_r)
-    latent_cache = buffer[:, :max_len]  # (B, T, r + d_r) non-contiguous view
-    return (rand(batch, heads, d_nope), rand(batch, heads, d_rope), latent_cache,
-            rand(heads, d_nope, rank, scale=rank**-0.5), rand(heads, d_v, rank, scale=rank**-0.5))
-
-
 DECODE_CASES = [  # (B, H, T, d_n, d_r, d_v, r, lengths, num_splits)
     (1, 1, 16, 16, 16, 16, 16, [16], None),
     (3, 4, 100, 16, 8, 16, 24, [100, 1, 37], None),
@@ -362,80 +308,6 @@ def test_decode_entry_point_takes_only_latent_cache_and_absorbed_factors(tmp_pat
     assert max_abs_err(got, want) <= FP32_ATOL
     pointer_args = list(inspect.signature(_decode_split_kernel.fn).parameters)[:7]
     assert pointer_args == ["QL", "QP", "C", "KP", "SEQ_LEN", "O_PART", "LSE_PART"]
-
-
-# ------------------------------------------------------------------------ whole model through transformers
-
-
-def tiny_models(**config_kwargs):
-    """The same random tiny DeepseekV3 twice: eager attention and mha2mla_triton."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.common import tiny_deepseek_config
-
-    config = tiny_deepseek_config(**config_kwargs)
-    torch.manual_seed(0)
-    eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():  # larger weights than the default init, so attention is far from uniform
-        for name, param in eager.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.15)
-    ours = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=torch.float32)
-    ours.load_state_dict(eager.state_dict())
-    assert ours.config._attn_implementation == ATTENTION_NAME
-    return eager.to(DEVICE), ours.to(DEVICE)
-
-
-def test_tiny_deepseek_same_loss_and_gradients_as_eager():
-    eager, ours = tiny_models(qk_nope_head_dim=12, v_head_dim=10)  # odd head dims on purpose
-    ids = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    eager_loss = eager(ids, labels=ids).loss
-    eager_loss.backward()
-    calls = []
-    import mha2mla.kernels.flash_mla as flash_module
-
-    original = flash_module._forward
-    flash_module._forward = lambda *a, **k: calls.append(1) or original(*a, **k)
-    try:
-        our_loss = ours(ids, labels=ids).loss
-    finally:
-        flash_module._forward = original
-    our_loss.backward()
-    assert len(calls) == 2, "both layers must run through the Triton kernel"
-    assert abs(eager_loss.item() - our_loss.item()) <= FP32_ATOL
-    for (name, p_eager), p_ours in zip(eager.named_parameters(), ours.parameters()):
-        assert p_ours.grad is not None and p_eager.grad.abs().max() > 0, name
-        assert max_abs_err(p_ours.grad, p_eager.grad) <= FP32_ATOL, name
-
-
-def test_tiny_deepseek_padding_packing_and_generation():
-    eager, ours = tiny_models()
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 384, (2, 24), generator=gen).to(DEVICE)
-    with torch.no_grad():
-        # padding: row 0 right-padded by 5, row 1 left-padded by 7; compare real positions only
-        mask = torch.ones(2, 24, dtype=torch.long, device=DEVICE)
-        mask[0, -5:] = 0
-        mask[1, :7] = 0
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        want = eager(ids, attention_mask=mask, position_ids=position_ids).logits
-        got = ours(ids, attention_mask=mask, position_ids=position_ids).logits
-        real = mask.bool()
-        assert max_abs_err(got[real], want[real]) <= FP32_ATOL
-        # packing: two sequences in one row, restarting position ids == each sequence alone
-        first, second = ids[0, :10], ids[1, :14]
-        packed = torch.cat([first, second])[None]  # (1, 24)
-        positions = torch.cat([torch.arange(10), torch.arange(14)])[None].to(DEVICE)
-        got = ours(packed, position_ids=positions).logits[0]
-        assert max_abs_err(got[:10], eager(first[None]).logits[0]) <= FP32_ATOL
-        assert max_abs_err(got[10:], eager(second[None]).logits[0]) <= FP32_ATOL
-        # generation with a cache (queries after cached keys: the causal offset path)
-        prompt = ids[:1, :9]
-        want_tokens = eager.generate(prompt, max_new_tokens=4, do_sample=False)
-        got_tokens = ours.generate(prompt, max_new_tokens=4, do_sample=False)
-        assert torch.equal(got_tokens, want_tokens)
 
 
 # -------------------------------------------------------------------------------------- GPU-only checks
