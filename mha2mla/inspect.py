@@ -11,7 +11,7 @@ from mha2mla.convert.options import ConvertOptions
 from mha2mla.convert.plan.resolve import make_plan
 from mha2mla.convert.plan.shape import DTYPES, SourceShape
 from mha2mla.families import family_for_config
-from mha2mla.io.reader import read_config
+from mha2mla.io.model_folder import read_config
 from mha2mla.io.source import resolve_source
 
 BUDGETS = (0.5, 0.3125, 0.25, 0.1875, 0.125, 0.0625)

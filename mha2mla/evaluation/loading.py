@@ -6,7 +6,6 @@ one passed in from memory go through exactly the same evaluation.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from mha2mla import UserError
 from mha2mla.devices import resolve_device
 from mha2mla.io.cache import cached_default_model
+from mha2mla.io.model_folder import check_model_folder, source_kind
 from mha2mla.modeling.sdpa import mla_attention_for
 
 log = logging.getLogger(__name__)
@@ -41,20 +41,10 @@ def resolve_dtype(dtype: str | torch.dtype | None):
     return DTYPES[dtype]
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _check_causal_lm_folder(folder: Path) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config_file = folder / "config.json"
-    if not config_file.exists():
-        raise UserError(f"{folder} is not a Hugging Face model folder (it has no config.json).")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise UserError(f"{config_file} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+    config = check_model_folder(folder)
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
     causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
@@ -74,17 +64,8 @@ def check_model_spec(spec: str | Path) -> None:
     if str(spec) == "default":
         cached_default_model()
         return
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        _check_causal_lm_folder(path)
-    elif path.is_file() and path.suffix != ".gguf":
-        raise UserError(f"{path} is a file but not a .gguf model; pass a model folder or a .gguf file.")
-    elif not path.exists() and not _looks_like_hub_id(str(spec)):
-        raise UserError(f"{spec} does not exist; pass a model folder, a .gguf file or a Hugging Face hub id.")
-
-
-def _looks_like_hub_id(spec: str) -> bool:
-    return spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+    if source_kind(spec) == "folder":
+        _check_causal_lm_folder(Path(spec).expanduser())
 
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str | None = None) -> LoadedModel:
@@ -121,10 +102,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str 
                 f"could not load the weights in {path} ({str(error).splitlines()[0][:200]})."
             ) from None
     else:
-        if not _looks_like_hub_id(spec):
-            raise UserError(
-                f"{spec} does not exist; pass a model folder, a .gguf file or a Hugging Face hub id."
-            )
+        source_kind(spec)  # not a hub id: one sentence
         if is_offline():
             raise UserError(
                 f"{spec} is not a local path and this machine is offline, so it can't be fetched from the hub."

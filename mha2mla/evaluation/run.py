@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from importlib import resources
 from pathlib import Path
@@ -19,14 +18,14 @@ from mha2mla.evaluation.harness import evaluate_model, normalize_limit
 from mha2mla.evaluation.loading import LoadedModel, check_model_spec, load_model
 from mha2mla.evaluation.measure import forward_throughput, kv_cache_size, parameter_counts
 from mha2mla.evaluation.perplexity import text_perplexity
-from mha2mla.evaluation.report import write_report
+from mha2mla.evaluation.report import check_report_folder, write_report
 from mha2mla.evaluation.tasks import check_tasks, parse_task_list, task_manager
+from mha2mla.io import model_folder
+from mha2mla.io.model_folder import CONVERSION_REPORT
 from mha2mla.io.output import write_errors
-from mha2mla.io.output_file import check_results_folder
 
 log = logging.getLogger(__name__)
 
-CONVERSION_REPORT = "conversion_report.json"
 
 
 def measurement_prompt(tokenizer, model, num_tokens: int = PROMPT_TOKENS) -> torch.Tensor:
@@ -64,17 +63,12 @@ def measure(model, tokenizer, prompt_tokens: int = PROMPT_TOKENS) -> dict:
 
 
 def read_conversion_report(path: str | Path) -> dict | None:
-    """The ``conversion_report.json`` next to a converted checkpoint, or None (absent or unreadable)."""
-    file = Path(path) / CONVERSION_REPORT
-    if not file.is_file():
+    """The conversion report next to a converted checkpoint with its per-layer list, or None (absent or unreadable)."""
+    if not (Path(path) / CONVERSION_REPORT).is_file():
         return None
-    try:
-        report = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        log.warning("ignoring %s: %s", file, error)
-        return None
-    if not isinstance(report, dict) or not isinstance(report.get("layers"), list):
-        log.warning("ignoring %s: it has no list of layers", file)
+    report = model_folder.read_conversion_report(path)
+    if report is None or not isinstance(report.get("layers"), list):
+        log.warning("ignoring %s: unreadable or without a list of layers", Path(path) / CONVERSION_REPORT)
         return None
     return report
 
@@ -120,7 +114,7 @@ def evaluate_loaded(loaded: LoadedModel, tasks: list[str], config: EvalConfig, r
 
 def check_eval_out(out: str | Path) -> None:
     """Refuse an --out that cannot take the report before any model is evaluated."""
-    check_results_folder(out, "results.json, results.md and the plots")
+    check_report_folder(out)
 
 
 def _unique_names(results: list[dict]) -> None:

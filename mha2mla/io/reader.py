@@ -14,23 +14,7 @@ import torch
 from safetensors import safe_open
 
 from mha2mla import UserError
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def read_config(folder: str | Path) -> dict:
-    """``folder``'s config.json as a dict; a missing or unreadable one is a UserError."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise UserError(f"{folder} has no config.json; point at a Hugging Face model folder.")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"{path} is not valid JSON ({error}); re-download the model or fix the file.") from error
-    if not isinstance(config, dict):
-        raise UserError(f"{path} holds a JSON {type(config).__name__}, not an object of settings; re-download the model.")
-    return config
+from mha2mla.io.model_folder import INDEX_FILE, SINGLE_FILE, check_safetensors_file, read_config
 
 
 class LazyCheckpoint:
@@ -91,12 +75,7 @@ class LazyCheckpoint:
     @staticmethod
     def _check_complete(path: Path, handle) -> None:
         """A truncated shard is caught when opened, not halfway through a conversion."""
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-        if path.stat().st_size < 8 + header_len + end:
-            raise UserError(f"{path} is truncated; re-download the model.")
+        check_safetensors_file(path)
 
     def has(self, name: str) -> bool:
         return name in self.weight_map

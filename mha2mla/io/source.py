@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mha2mla import UserError
 from mha2mla.io.cache import cache_dir
+from mha2mla.io.model_folder import CONFIG_FILE, check_weights, source_kind
 from mha2mla.io.output import remove_stale, staging_path, write_errors
 
 try:
@@ -34,17 +35,11 @@ def _gguf_cache_folder(gguf_path: Path) -> Path:
     return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
 
 
-def _looks_like_hub_id(text: str) -> bool:
-    return text.count("/") == 1 and not text.startswith((".", "/", "~"))
-
-
 def check_source(source: str | Path) -> None:
-    """The SOURCE mistakes found without reading a model: a path that does not exist, a file that is not a .gguf."""
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix.lower() != ".gguf":
-        raise UserError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id.")
-    if not path.exists() and not _looks_like_hub_id(str(source)):
-        raise UserError(f"{source} does not exist; pass a model folder, a .gguf file or a hub id.")
+    """The SOURCE mistakes found without reading a model: a path that does not exist, a file that is not a .gguf,
+    a folder whose weights do not read back (mha2mla/io/model_folder.py)."""
+    if source_kind(source) == "folder" and (Path(source).expanduser() / CONFIG_FILE).is_file():
+        check_weights(Path(source).expanduser())
 
 
 def check_gguf_magic(path: Path) -> None:

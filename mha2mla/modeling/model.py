@@ -42,6 +42,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from mha2mla import UserError
 from mha2mla.compute import resolve_compute_dtype, torch_dtype
+from mha2mla.io.model_folder import check_model_folder
 from mha2mla.io.reader import LazyCheckpoint
 from mha2mla.kernels.backend import decode_attention_backend
 from mha2mla.kernels.ops import latent_cache_decode
@@ -135,8 +136,7 @@ class MLAModel:
         "torch" (plain PyTorch), "kernel" (mha2mla.kernels' split-KV decode), or "auto" (the kernel on CUDA,
         PyTorch on CPU); see :func:`mha2mla.kernels.backend.decode_attention_backend`."""
         folder = Path(folder)
-        if not (folder / "config.json").exists():
-            raise UserError(f"{folder} has no config.json; point at a folder written by `mha2mla convert`.")
+        check_model_folder(folder, hint="point at a folder written by `mha2mla convert`")  # weights read back
         device = torch.device(device)
         if dtype is None or isinstance(dtype, str):
             dtype = torch_dtype(resolve_compute_dtype(dtype, str(device)))

@@ -1,0 +1,149 @@
+"""The model folder's contract, in one place: what a model argument is (a folder, a .gguf file or a hub id), its
+config.json, the safetensors files it holds and whether they read back, and the file names mha2mla writes into it.
+
+Every command goes through here before it loads a model, so a damaged folder gets the same sentence from
+``convert``, ``eval``, ``recover``, ``generate`` and ``export-gguf``. Light on purpose (no torch): the CLI calls it
+before the heavy libraries load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mha2mla import UserError
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ABSORBED_FILE = "absorbed.safetensors"  # the absorbed inference weights beside a converted checkpoint
+CONVERSION_REPORT = "conversion_report.json"  # written by `convert`; marks a converted folder
+RECOVERY_REPORT = "recovery_report.json"  # written by `recover`'s export
+RECOVER_CONFIG = "recover_config.json"  # the settings of a recover run folder
+CARD_FILE = "README.md"
+
+# safetensors caps its JSON header at 100 MB; a larger length field is garbage, not a header
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """``owner/name``: the only shape a hub id has here (a path with one slash that exists is a path first)."""
+    return text.count("/") == 1 and not text.startswith((".", "/", "~"))
+
+
+def source_kind(spec: str | Path) -> str:
+    """``"folder"``, ``"gguf"`` or ``"hub"`` for a model argument; one sentence for anything else."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return "folder"
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UserError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id.")
+        return "gguf"
+    if looks_like_hub_id(str(spec)):
+        return "hub"
+    raise UserError(f"{spec} does not exist; pass a model folder, a .gguf file or a hub id.")
+
+
+def read_config(folder: str | Path, *, hint: str = "point at a Hugging Face model folder") -> dict:
+    """The folder's config.json as a dict; one sentence when it is missing, not UTF-8, not JSON or not an object."""
+    path = Path(folder).expanduser() / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"{Path(folder)} has no {CONFIG_FILE}; {hint}.")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; re-download the model or fix the file.") from None
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}); re-download the model or "
+                        "fix the file.") from None
+    except OSError as error:
+        raise UserError(f"cannot read {path} ({error.strerror}).") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} holds a JSON {type(config).__name__}, not an object of settings; re-download the model.")
+    return config
+
+
+def _damaged(path: Path, why: str) -> UserError:
+    return UserError(f"{path} is damaged ({why}); re-download or re-convert the model.")
+
+
+def check_safetensors_file(path: str | Path) -> None:
+    """A safetensors file whose header parses and whose tensors all lie inside the file; one sentence otherwise.
+    Reads the header only (pure Python), so a truncated or garbage file is caught before any loader sees it."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise _damaged(path, "shorter than a safetensors header")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > min(_MAX_HEADER, size - 8):
+                raise _damaged(path, "its header length is larger than the file")
+            header = json.loads(handle.read(header_len))
+    except OSError as error:
+        raise UserError(f"cannot read {path} ({error.strerror}).") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _damaged(path, "its header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise _damaged(path, "its header is not a JSON object")
+    try:
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError):
+        raise _damaged(path, "its header does not describe tensors") from None
+    if size < 8 + header_len + end:
+        raise _damaged(path, f"truncated: {size:,} bytes of {8 + header_len + end:,}")
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files a folder's weights live in (its index's shards, or model.safetensors), plus the
+    absorbed inference weights when present. Missing shards named by the index are one sentence."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+            raise UserError(f"{index} is not a valid safetensors index ({error}); re-download the model.") from None
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index} has no weight_map of tensor names to shard files; re-download the model.")
+        files = [folder / name for name in sorted(set(map(str, weight_map.values()))) if Path(name).name == name]
+        missing = [path.name for path in files if not path.is_file()]
+        if missing:
+            raise UserError(f"{folder} is missing shard {missing[0]} named in {INDEX_FILE}; re-download the model.")
+    else:
+        files = [folder / SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else []
+    if (folder / ABSORBED_FILE).is_file():
+        files.append(folder / ABSORBED_FILE)
+    return files
+
+
+def check_weights(folder: str | Path) -> None:
+    """Every weight file of ``folder`` reads back (headers parse, no truncation): the one check every command makes
+    before it loads a model folder."""
+    for path in weight_files(folder):
+        check_safetensors_file(path)
+
+
+def check_model_folder(folder: str | Path, *, hint: str = "point at a Hugging Face model folder") -> dict:
+    """config.json read and every weight file checked; returns the config."""
+    config = read_config(folder, hint=hint)
+    check_weights(folder)
+    return config
+
+
+def read_conversion_report(folder: str | Path) -> dict | None:
+    """The conversion report beside a converted checkpoint, or None (absent or unreadable: it is informative)."""
+    path = Path(folder) / CONVERSION_REPORT
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def is_model_folder(folder: str | Path) -> bool:
+    """A folder holding a model: a config.json or weights (where results or notes must not be written)."""
+    folder = Path(folder)
+    return (folder / CONFIG_FILE).is_file() or any(folder.glob("*.safetensors")) or any(folder.glob("*.gguf"))
