@@ -7,7 +7,10 @@ The one implementation behind every output folder: ``convert``'s OUT (mha2mla/co
   current folder or one above it, and it lies in a folder that can be written. A folder the user made read-only
   (no write bit, even for root) is left alone.
 - An existing OUT is replaced only when it is empty, or, with --force, when mha2mla wrote it: it holds one of
-  :data:`MARKERS` (every output folder gets one). Anything else is refused, --force or not.
+  :data:`MARKERS` (every output folder gets one) and nothing else than what mha2mla wrote there: the names its
+  :data:`MANIFEST` lists (written into every output folder), a recover run's checkpoints and logs, and, for a folder
+  written before manifests existed, the file names a conversion writes. A folder holding anything else (the user's
+  notes, a results folder) is refused with the names, --force or not, so no user file is ever deleted.
 - The new folder is written next to OUT under a hidden name carrying the writer's PID and host
   (``.OUT.mha2mla-tmp.PID.HOST.XXXXXXXX``) and swapped in at the end: the old OUT is moved aside
   (``.OUT.mha2mla-old.…``), the new one renamed to OUT, then the old one deleted. An error or Ctrl-C removes the new
@@ -29,12 +32,25 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVER_CONFIG, RECOVERY_REPORT
 
 log = logging.getLogger(__name__)
 
 # A folder holding one of these was written by mha2mla (convert, recover's export, a recover run folder).
-MARKERS = ("conversion_report.json", "recovery_report.json", "recover_config.json")
+MARKERS = (CONVERSION_REPORT, RECOVERY_REPORT, RECOVER_CONFIG)
 
+# The top-level names mha2mla wrote into an output folder, one per line; written last into the staging folder.
+MANIFEST = ".mha2mla-files"
+# What a recover run folder accumulates while it trains (mha2mla/train/checkpoint.py, log.py): ours without a manifest.
+_RUN_ENTRIES = re.compile(r"^(step-\d+|checkpoints|train_log\.jsonl|recover_config\.json)$")
+# What a conversion writes (a folder written before manifests existed has no list of its own): config, weights,
+# tokenizer, card, reports.
+_OUTPUT_ENTRIES = re.compile(
+    r"^(config\.json|generation_config\.json|README\.md|conversion_report\.json|recovery_report\.json|"
+    r"(model|absorbed)(-\d+-of-\d+)?\.safetensors|(model|absorbed)\.safetensors\.index\.json|"
+    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|tokenizer\.model|vocab\.json|merges\.txt|"
+    r"added_tokens\.json|chat_template\.jinja|chat_template\.json)$"
+)
 _STAGED = re.compile(r"^\.(?P<name>.+)\.mha2mla-(?P<kind>tmp|old)\.(?P<pid>\d+)\.(?P<host>[A-Za-z0-9-]+)\.[0-9a-f]+$")
 _WRITE_HINTS = {
     errno.ENOSPC: "free some space or write to another disk",
@@ -153,14 +169,46 @@ def check_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | 
     check_parent(out, target, name)
 
 
-def check_replaceable(out: str | Path, force: bool, *, name: str = "OUT") -> None:
-    """An existing non-empty OUT may be replaced only with ``force`` and only when mha2mla wrote it."""
+def written_names(folder: Path) -> set[str] | None:
+    """The names :data:`MANIFEST` lists, or None when the folder has none (written before manifests existed)."""
+    try:
+        return set((Path(folder) / MANIFEST).read_text(encoding="utf-8").split("\n")) - {""}
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """The entries of an mha2mla output folder that mha2mla did not write there (sorted; folders end in /)."""
+    folder = Path(folder)
+    listed = written_names(folder)
+    foreign = []
+    for entry in sorted(folder.iterdir()):
+        known = entry.name in listed if listed is not None else bool(_OUTPUT_ENTRIES.match(entry.name))
+        if not (known or entry.name == MANIFEST or _RUN_ENTRIES.match(entry.name)):
+            foreign.append(entry.name + ("/" if entry.is_dir() and not entry.is_symlink() else ""))
+    return foreign
+
+
+def write_manifest(folder: Path) -> None:
+    """List ``folder``'s top-level entries as mha2mla's own (what a later --force may replace)."""
+    names = sorted(entry.name for entry in Path(folder).iterdir() if entry.name != MANIFEST)
+    (Path(folder) / MANIFEST).write_text("".join(name + "\n" for name in names), encoding="utf-8")
+
+
+def check_replaceable(out: str | Path, force: bool, *, name: str = "OUT", carry: bool = False) -> None:
+    """An existing non-empty OUT may be replaced only with ``force``, only when mha2mla wrote it and only when it
+    holds nothing mha2mla did not write (``carry``: its entries move into the new folder, so none is lost)."""
     out = Path(out)
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not is_ours(out):
         hint = " (--force replaces only mha2mla's own output folders)" if name == "OUT" else ""
         raise UserError(f"{name} {out} is not empty and was not written by mha2mla; choose another {name}{hint}.")
+    foreign = [] if carry else foreign_entries(out)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(f"{name} {out} is an earlier mha2mla output but also holds files mha2mla did not write "
+                        f"({shown}); move them out or choose another {name}: nothing of yours is ever replaced.")
     if not force:
         raise UserError(f"{name} {out} holds an earlier mha2mla output; pass --force to replace it or choose another {name}.")
 
@@ -176,7 +224,7 @@ def _normal_permissions(folder: Path) -> None:
 
 def _carry_over(old: Path, new: Path, name: str) -> list[str]:
     """Move the entries of ``old`` (a recover run folder: checkpoints, logs) into ``new``; refuse a clash."""
-    entries = sorted(old.iterdir())
+    entries = sorted(entry for entry in old.iterdir() if entry.name != MANIFEST)  # the new folder lists its own
     clash = next((entry.name for entry in entries if os.path.lexists(new / entry.name)), None)
     if clash is not None:
         raise UserError(f"{name} {old} holds {clash}, which the new model would overwrite; move it away and run again.")
@@ -276,7 +324,8 @@ def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, 
             yield staging
             if out.is_symlink():
                 raise UserError(f"{name} {out} became a symbolic link while mha2mla wrote; nothing was replaced.")
-            check_replaceable(out, force or carry, name=name)  # again: OUT may have changed meanwhile
+            check_replaceable(out, force or carry, name=name, carry=carry)  # again: OUT may have changed meanwhile
+            write_manifest(staging)
             _normal_permissions(staging)
             _swap(staging, out, carry, name)
     except BaseException:
