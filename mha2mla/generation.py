@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class GenerateConfig(BaseModel):
@@ -22,8 +22,6 @@ class GenerateConfig(BaseModel):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights, activations and latent-cache dtype of the decode: auto is bfloat16 on a GPU or "
                             "CPU that multiplies bf16 natively, float32 elsewhere; logits are float32 either way")
-    dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="old name of compute_dtype, refused when it contradicts it")
     chat: bool = Field(False, description="wrap each prompt in the tokenizer's chat template")
     ignore_eos: bool = Field(False, description="always generate max_new_tokens tokens")
 
@@ -32,15 +30,3 @@ class GenerateConfig(BaseModel):
     def _one_prompt(cls, value):
         """One prompt given as a plain string (``prompt: hello`` in a recipe) is a batch of one."""
         return [value] if isinstance(value, str) else value
-
-    @model_validator(mode="before")
-    @classmethod
-    def _dtype_is_compute_dtype(cls, data):
-        """``dtype`` (the name before compute_dtype) sets compute_dtype; both given must agree."""
-        if not isinstance(data, dict) or data.get("dtype") is None:
-            return data
-        compute = data.get("compute_dtype", "auto")
-        if compute not in ("auto", data["dtype"]):
-            raise ValueError(f"dtype {data['dtype']} contradicts compute_dtype {compute}: they are one setting, the "
-                             "weights and cache dtype of the decode; give only compute_dtype (--compute-dtype)")
-        return {**data, "compute_dtype": data["dtype"]}

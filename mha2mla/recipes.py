@@ -60,10 +60,16 @@ def _unknown_sentence(path: Path, section: str, key: str, names: list[str]) -> s
 def load_recipe(path: str | Path) -> Recipe:
     """The recipe at ``path``, every section's keys checked against its command's settings."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"recipe {path} is a folder; pass the path of a recipe YAML file (e.g. {path}/<name>.yaml).")
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist; pass the path of a recipe YAML file.")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as error:
+        raise UserError(f"recipe {path} is not UTF-8 text (byte {error.start}); give a YAML file encoded as UTF-8.") from None
+    except OSError as error:
+        raise UserError(f"cannot read recipe {path} ({error.strerror}).") from None
     except yaml.YAMLError as error:
         raise UserError(yaml_error_sentence(path, error)) from None
     if not isinstance(data, dict):

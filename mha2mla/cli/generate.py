@@ -11,10 +11,12 @@ import typer
 
 from mha2mla import UserError
 from mha2mla.cli.settings import Flags, with_settings
+from mha2mla.devices import check_device
 from mha2mla.generation import GenerateConfig
+from mha2mla.io.model_folder import check_model_folder
 
 FLAGS = Flags(
-    settings=("prompt", "max_new_tokens", "temperature", "top_p", "seed", "device", "compute_dtype", "dtype", "chat", "ignore_eos"),
+    settings=("prompt", "max_new_tokens", "temperature", "top_p", "seed", "device", "compute_dtype", "chat", "ignore_eos"),
     names={"prompt": ("--prompt", "-p"), "max_new_tokens": ("--max-new-tokens", "-n")},
 )
 
@@ -27,14 +29,11 @@ def generate(
                                                      "options here win.")] = None,
 ) -> None:
     """Generate text from a converted model, decoding from the latent cache (streamed for a single prompt)."""
-    import torch
-
+    check_device(settings.device)  # before the model loads: a device this machine has, or one sentence
+    check_model_folder(model, hint="point at a folder written by `mha2mla convert`")
     from mha2mla.modeling.generate import MLAEngine
 
-    device = settings.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu.")
-    engine = MLAEngine.from_pretrained(model, device=device, compute_dtype=settings.compute_dtype)
+    engine = MLAEngine.from_pretrained(model, device=settings.device, compute_dtype=settings.compute_dtype)
     prompts: list = list(settings.prompt)
     if settings.chat:
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
