@@ -96,6 +96,8 @@ def decode_attention_backend(device: str | torch.device, choice: str = "auto") -
     return "triton"
 
 
-def next_power_of_two(n: int, minimum: int = 16) -> int:
-    """Tile width for a dimension of size n (tl.dot needs at least 16)."""
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+def multiprocessor_count(device: torch.device) -> int | None:
+    """The GPU's streaming multiprocessors (132 on an H200), what grids are sized to fill; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -4,7 +4,8 @@ Pass 1 (``_decode_split_kernel``), grid (head groups, B, splits): a program owns
 sequence's cache rows and a group of BLOCK_H heads. For every tile of BLOCK_N cache rows it loads the
 latent tile c (BLOCK_N, r) and the rope-key tile (BLOCK_N, d_r) ONCE and uses them for all heads of the
 group: scores = q_lat c^T + q_pe k_pe^T (BLOCK_H, BLOCK_N), o_lat += p c. It writes the slice's
-normalised o_lat (B, H, S, r) and log-sum-exp (B, H, S), both fp32.
+normalised o_lat (B, H, S, r) and log-sum-exp (B, H, S), both fp32. The number of slices S comes from
+``tuning.decode_num_splits`` (batch x head groups x length against the GPU's multiprocessors).
 
 Pass 2 (``_decode_merge_kernel``), grid (B, H): o_lat = sum_s exp(lse_s - lse) o_s with
 lse = logsumexp_s lse_s; empty slices (lse = -inf) weigh nothing.
@@ -18,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mha2mla.kernels.backend import interpreting, next_power_of_two
+from mha2mla.kernels import tuning
+from mha2mla.kernels.backend import interpreting, multiprocessor_count
+from mha2mla.kernels.tuning import next_power_of_two
 
 LOG2_E = 1.4426950408889634
 
@@ -113,24 +116,6 @@ def _decode_merge_kernel(
     tl.store(LSE + pid, lse_out)
 
 
-def choose_num_splits(batch: int, head_groups: int, max_len: int, block_n: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU (about two per SM), never more splits than tiles of cache."""
-    max_tiles = max(1, triton.cdiv(max_len, block_n))
-    if device.type != "cuda":
-        return min(2, max_tiles)
-    programs_wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_tiles, triton.cdiv(programs_wanted, batch * head_groups)))
-
-
-def decode_blocks(num_heads: int, rank: int) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps)."""
-    if interpreting():
-        return 16, 16, 1
-    block_h = min(32 if rank > 256 else 64, next_power_of_two(num_heads))  # acc (BH, r) fp32 stays in registers
-    block_n = 32 if next_power_of_two(rank) >= 512 else 64
-    return block_h, block_n, 4 if block_h <= 16 else 8
-
-
 def mla_decode_latent_triton(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -149,9 +134,10 @@ def mla_decode_latent_triton(
     assert q_lat.dtype == q_pe.dtype == latent.dtype == k_pe.dtype, "queries and cache must share one dtype"
     for t in (q_lat, q_pe, latent, k_pe):
         assert t.stride(-1) == 1, "the last dimension must be contiguous"
-    block_h, block_n, num_warps = decode_blocks(heads, rank)
+    block_h, block_n, num_warps = tuning.decode_blocks(heads, rank, interpreting())
     head_groups = triton.cdiv(heads, block_h)
-    splits = num_splits or choose_num_splits(batch, head_groups, max_len, block_n, latent.device)
+    splits = num_splits or tuning.decode_num_splits(batch, head_groups, max_len, block_n,
+                                                    multiprocessor_count(latent.device))
     tokens_per_split = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n  # a multiple of BLOCK_N
     splits = max(1, triton.cdiv(max_len, tokens_per_split))
     seqlens = cache_seqlens.to(device=latent.device, dtype=torch.int32).contiguous()  # (B,)
