@@ -1,34 +1,25 @@
 """Decode speed and KV-cache bytes: source model vs converted model (transformers) vs converted model (our engine).
 
-    MHA2MLA_CACHE=.cache .venv/bin/python benchmarks/decode.py \
-        --converted .cache/converted/smollm2-135m-kv0.125 --contexts 1024,4096,8192 --batches 1,8 --steps 8
+    OMP_NUM_THREADS=2 python benchmarks/decode.py --converted .cache/converted/smollm2-135m-kv0.125 \
+        --contexts 1024,4096,8192 --batches 1,8 --steps 8
 
 In one run, for every context length and batch size:
 
-(a) ``source``       the source model (SmolLM2-135M GGUF, dequantised) with transformers and its DynamicCache;
+(a) ``source``       the source model (default: the cached SmolLM2-135M GGUF, dequantised) with transformers and
+                     its DynamicCache;
 (b) ``hf-mla``       the converted checkpoint with transformers' DeepseekV3, which caches the latent but expands
                      it into per-head keys and values on every decode step;
-(c) ``mla-engine``   the converted checkpoint with mha2mla.modeling.model (absorbed decode from the latent cache).
+(c) ``mla-engine``   the converted checkpoint with mha2mla.modeling.model (absorbed decode from the latent cache),
+                     in ``--compute-dtype`` (float32 by default; bfloat16 as ``mha2mla generate`` runs it).
 
 Each model prefills one prompt of ``context`` held-out tokens (KJV; timed separately), its cache is repeated to
 the batch size (decode work does not depend on the cache's content, and this skips batch-times-larger
-prefills on a small CPU), then ``--warmup`` untimed and ``--steps`` timed greedy decode steps run. (b)'s cache
-is filled from (c)'s prefill by default — both hold the same normalised latent and rotated rope key, which the
-first decode step checks (``hf_vs_engine_logits_max_diff``); ``--hf-own-prefill`` runs transformers' own
-prefill instead. Decode tokens/s = batch / median step time; cache bytes are measured on the live cache
-tensors after the last step (context + warmup + steps tokens). Prints JSON and a Markdown table.
-
-Compute dtypes (docs/generate.md): ``--compute-dtypes float32 bfloat16`` runs the engine in both, side by side on
-the same decode steps (each prefills in its own dtype; bfloat16 is fed float32's greedy tokens), and adds their
-decode tokens/s ratio and how far bf16's logits move from float32's (max abs Δ logit, max abs Δ logprob of
-float32's top-1 token, top-1 agreement), judged against transformers' own DeepseekV3 in bf16 on the same tokens
-(the tolerance is stated in benchmarks/decode_dtypes.py; ``--no-transformers-reference`` skips it). The float32 vs
-bfloat16 measurement of docs/benchmarks.md (a few minutes on an idle 2-core CPU, most of it the 4K-token prefills
-and transformers' two reference forwards):
-
-    MHA2MLA_CACHE=.cache .venv/bin/python benchmarks/decode.py \
-        --converted .cache/converted/smollm2-135m-kv0.125 --models mla-engine --compute-dtypes float32 bfloat16 \
-        --contexts 4096 --batches 1,8 --warmup 2 --steps 16 --threads 2 --json-out decode-dtypes.json
+prefills on a small CPU), then ``--warmup`` untimed and ``--steps`` timed greedy decode steps run.
+(b)'s cache is filled from (c)'s prefill by default -- both hold the same normalised latent and rotated rope
+key, which the first decode step checks (``hf_vs_engine_logits_max_diff``); ``--hf-own-prefill`` runs
+transformers' own prefill instead. Decode tokens/s = batch / median step time; cache bytes are measured on the live
+cache tensors after the last step (context + warmup + steps tokens). Prints the JSON record (benchmarks/harness.py)
+and a Markdown table.
 
 ``--standin`` builds a random DeepSeek-V3 checkpoint with SmolLM2's shapes (30 layers, D 576, H 9, d_n 64,
 d_v 64, d_r 16, r 32) when no converted model exists yet: for developing the benchmark only.
@@ -37,22 +28,14 @@ d_v 64, d_r 16, r 32) when no converted model exists yet: for developing the ben
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.decode_dtypes import dtype_comparisons, logits_agreement, time_engine_decode, transformers_agreement
-from benchmarks.decode_dtypes import markdown as dtype_markdown
-from mha2mla.modeling.model import MLAModel
 
 
 def _dynamic_cache_bytes(cache) -> int:
@@ -62,16 +45,6 @@ def _dynamic_cache_bytes(cache) -> int:
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
     return total
-
-
-def load_source(gguf: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None
-    model.config.quantization_config = None
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return model.eval(), tokenizer
 
 
 def build_standin(folder: Path, kv_lora_rank: int = 32, rope_dim: int = 16, max_positions: int = 16384) -> Path:
@@ -140,110 +113,81 @@ def _entry(name, context, batch, prefill_s, times, cache_bytes, tokens_in_cache,
     }
 
 
-def _engine_name(dtype: str) -> str:
-    return "mla-engine" if dtype == "float32" else f"mla-engine-{ {'bfloat16': 'bf16'}.get(dtype, dtype) }"
-
-
-def _engines_at(engines: dict, context: int, batches: list[int], ids: list[int], args, rows, agreements,
-                fed_tokens) -> dict:
-    """Every compute dtype's engine at one context: its own prefill, then for each batch the decode steps, the
-    first dtype choosing the greedy tokens and the others fed the same ones. Returns {dtype: (cache, first logits)}
-    for the hf-mla handover."""
-    capacity = context + args.warmup + args.steps
-    prefilled = {}
-    for dtype, engine in engines.items():
-        cache = engine.new_cache(1, capacity)
+def _time_engine_decode(engine, cache, first_token: torch.Tensor, warmup: int, steps: int):
+    """Greedy decode steps with the latent-cache model -> (per-step seconds of the timed steps, last logits (B, V))."""
+    tokens, times, logits = first_token, [], None
+    for step in range(warmup + steps):
         start = time.perf_counter()
-        logits = engine.prefill(cache, [ids[:context]])
-        prefilled[dtype] = (cache, logits, time.perf_counter() - start)
-    for batch in batches:
-        print(f"context {context}, batch {batch}: mla-engine {', '.join(engines)} ...", file=sys.stderr, flush=True)
-        reference, forced = None, None
-        first = next(iter(prefilled.values()))[1].argmax(-1).repeat(batch)  # (B,) the first dtype's greedy token
-        for dtype, engine in engines.items():
-            cache_1, first_logits, prefill_s = prefilled[dtype]
-            cache = cache_1.repeat_rows(batch)
-            times, logits, fed = time_engine_decode(engine, cache, first, args.warmup, args.steps, forced)
-            rows.append(_entry(_engine_name(dtype), context, batch, prefill_s, times, cache.nbytes, capacity, dtype))
-            logits = [first_logits.repeat(batch, 1)] + logits  # every position: the prompt's last, then each step
-            if reference is None:
-                reference, forced = logits, fed
-                fed_tokens[context] = [int(t[0]) for t in fed]  # row 0, for transformers' reference
-            else:
-                agreements[(context, batch, dtype)] = logits_agreement(reference, logits)
-            del cache
-    return {dtype: value[:2] for dtype, value in prefilled.items()}
+        logits = engine.decode(cache, tokens)
+        tokens = logits.argmax(-1)
+        elapsed = time.perf_counter() - start
+        if step >= warmup:
+            times.append(elapsed)
+    return times, logits.float().cpu()
 
 
-def run(args) -> dict:
-    from transformers import AutoModelForCausalLM
+def _load_models(args, converted: Path, models: set[str]):
+    """(source model or None, its tokenizer, transformers' DeepseekV3 or None, our engine)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scripts.assets import default_model_gguf, held_out_token_ids
+    from mha2mla.modeling.model import MLAModel
 
-    torch.set_num_threads(args.threads)
-    models = set(args.models.split(","))
-    converted = Path(args.converted)
-    standin = False
-    if not (converted / "absorbed.json").exists():
-        if not args.standin:
-            raise SystemExit(f"{converted} has no converted model with absorbed weights; pass --standin to develop with a random one.")
-        converted = build_standin(Path(tempfile.mkdtemp(prefix="mla-standin-")))
-        standin = True
-
-    source, tokenizer = load_source(Path(args.source) if args.source else default_model_gguf())
-    source = source if "source" in models else None
+    source_folder = harness.source_model(args.source)
+    tokenizer = AutoTokenizer.from_pretrained(source_folder)
+    source = AutoModelForCausalLM.from_pretrained(source_folder, dtype=torch.float32).eval() if "source" in models else None
     hf_mla = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval() if "hf-mla" in models else None
-    engines = {dtype: MLAModel.from_pretrained(converted, device="cpu", dtype=getattr(torch, dtype))
-               for dtype in args.compute_dtypes}  # the first one chooses the greedy tokens the others are fed
-    config = next(iter(engines.values())).config
+    engine = MLAModel.from_pretrained(converted, device="cpu", dtype=getattr(torch, args.compute_dtype))
+    return source, tokenizer, hf_mla, engine
 
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
-    all_ids = held_out_token_ids(tokenizer, "kjv", num_tokens=max(contexts))
-    rows, checks, agreements, fed_tokens, references = [], [], {}, {}, {}
-    for context in contexts:
-        prompt = torch.tensor([all_ids[:context]])  # (1, T)
-        tokens_in_cache = context + args.warmup + args.steps
-        prefilled = _engines_at(engines, context, batches, all_ids, args, rows, agreements, fed_tokens)
-        if len(engines) > 1 and not args.no_transformers_reference:
-            print(f"context {context}: transformers float32 and bfloat16 (the bf16 bar) ...", file=sys.stderr, flush=True)
-            references[context] = transformers_agreement(converted, all_ids[:context], fed_tokens[context])
-        handover_dtype = "float32" if "float32" in prefilled else next(iter(prefilled))
-        engine_cache, engine_logits = prefilled[handover_dtype]
-        engine_first = engine_logits.argmax(-1)
-        if source is not None:  # (a) transformers prefill once, cache repeated per batch
-            with torch.inference_mode():
-                start = time.perf_counter()
-                out = source(prompt, use_cache=True)
-                source_prefill = time.perf_counter() - start
-            for batch in batches:
-                print(f"context {context}, batch {batch}: source ...", file=sys.stderr, flush=True)
-                cache = _copy_dynamic(out.cache, batch)
-                times, _ = _time_hf_decode(source, cache, out.logits[:, -1].argmax(-1, keepdim=True).repeat(batch, 1),
-                                           args.warmup, args.steps)
-                rows.append(_entry("source", context, batch, source_prefill, times, _dynamic_cache_bytes(cache), tokens_in_cache))
-            del out, cache
-        if hf_mla is not None:  # (b) transformers' DeepseekV3: own prefill, or the engine's latent cache handed over
-            hf_prefill = None
-            if args.hf_own_prefill:
-                with torch.inference_mode():
-                    start = time.perf_counter()
-                    hf_cache_1 = hf_mla(prompt, use_cache=True).cache
-                    hf_prefill = time.perf_counter() - start
-            else:
-                hf_cache_1 = _hf_cache_from_latent(engine_cache, config)
-            for batch in batches:
-                print(f"context {context}, batch {batch}: hf-mla ...", file=sys.stderr, flush=True)
-                cache = _copy_dynamic(hf_cache_1, batch)
-                times, hf_logits = _time_hf_decode(hf_mla, cache, engine_first.repeat(batch)[:, None], args.warmup, args.steps)
-                rows.append(_entry("hf-mla", context, batch, hf_prefill, times, _dynamic_cache_bytes(cache), tokens_in_cache))
-                engine_cache_b = engine_cache.repeat_rows(batch)  # the engine's logits on the same steps
-                _, ours, _ = time_engine_decode(engines[handover_dtype], engine_cache_b, engine_first.repeat(batch),
-                                                args.warmup, args.steps)
-                checks.append({"context": context, "batch": batch, "engine_dtype": handover_dtype,
-                               "hf_vs_engine_logits_max_diff": float((hf_logits - ours[-1]).abs().max())})
-                del cache, engine_cache_b
 
+def _source_rows(source, prompt, batches, args, tokens_in_cache, rows) -> None:
+    """(a): transformers prefills once, its cache repeated per batch."""
+    context = prompt.shape[1]
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = source(prompt, use_cache=True)
+        prefill = time.perf_counter() - start
+    for batch in batches:
+        print(f"context {context}, batch {batch}: source ...", file=sys.stderr, flush=True)
+        cache = _copy_dynamic(out.cache, batch)
+        first = out.logits[:, -1].argmax(-1, keepdim=True).repeat(batch, 1)
+        times, _ = _time_hf_decode(source, cache, first, args.warmup, args.steps)
+        rows.append(_entry("source", context, batch, prefill, times, _dynamic_cache_bytes(cache), tokens_in_cache))
+
+
+def _mla_rows(engine, hf_mla, prompt, batches, args, tokens_in_cache, rows, checks) -> None:
+    """(c) our engine, then (b) transformers' DeepseekV3 on its own prefill or on the engine's latent cache."""
+    context = prompt.shape[1]
+    engine_cache = engine.new_cache(1, tokens_in_cache)
+    start = time.perf_counter()
+    first = engine.prefill(engine_cache, [prompt[0].tolist()]).argmax(-1)  # (1,)
+    engine_prefill = time.perf_counter() - start
+    hf_cache, hf_prefill = None, None
+    if hf_mla is not None and args.hf_own_prefill:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            hf_cache = hf_mla(prompt, use_cache=True).cache
+            hf_prefill = time.perf_counter() - start
+    elif hf_mla is not None:
+        hf_cache = _hf_cache_from_latent(engine_cache, engine.config)
+    for batch in batches:
+        print(f"context {context}, batch {batch}: mla-engine ...", file=sys.stderr, flush=True)
+        cache = engine_cache.repeat_rows(batch)
+        times, ours = _time_engine_decode(engine, cache, first.repeat(batch), args.warmup, args.steps)
+        rows.append(_entry("mla-engine", context, batch, engine_prefill, times, cache.nbytes, tokens_in_cache,
+                           args.compute_dtype))
+        if hf_cache is None:
+            continue
+        print(f"context {context}, batch {batch}: hf-mla ...", file=sys.stderr, flush=True)
+        cache = _copy_dynamic(hf_cache, batch)
+        times, theirs = _time_hf_decode(hf_mla, cache, first.repeat(batch)[:, None], args.warmup, args.steps)
+        rows.append(_entry("hf-mla", context, batch, hf_prefill, times, _dynamic_cache_bytes(cache), tokens_in_cache))
+        checks.append({"context": context, "batch": batch, "engine_dtype": args.compute_dtype,
+                       "hf_vs_engine_logits_max_diff": float((theirs - ours).abs().max())})
+
+
+def _ratios(rows: list[dict]) -> None:
+    """Each row's decode speed against the source's and transformers' MLA's, and its cache against the source's."""
     by_key = {(r["model"], r["context"], r["batch"]): r for r in rows}
     for row in rows:
         for other, key in (("source", "tokens_per_s_vs_source"), ("hf-mla", "tokens_per_s_vs_hf_mla")):
@@ -251,21 +195,36 @@ def run(args) -> dict:
             row[key] = None if base is None else round(row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
         base = by_key.get(("source", row["context"], row["batch"]))
         row["cache_bytes_vs_source"] = None if base is None else round(row["cache_bytes"] / base["cache_bytes"], 4)
-    return {
-        "converted": str(converted) if not standin else "random stand-in (SmolLM2 shapes, r=32, d_r=16)",
-        "standin": standin,
-        "kv_lora_rank": config.kv_lora_rank,
-        "rope_dim": config.qk_rope_head_dim,
-        "compute_dtypes": list(args.compute_dtypes),
-        "threads": args.threads,
-        "warmup_steps": args.warmup,
-        "timed_steps": args.steps,
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "results": rows,
-        "checks": checks,
-        "compute_dtype_comparison": dtype_comparisons(rows, agreements, references),
-    }
+
+
+def run(args) -> tuple[dict, list[dict], list[dict]]:
+    """(settings, one row per model/context/batch, the hf-mla vs engine logit checks)."""
+    torch.set_num_threads(args.threads)
+    models = set(args.models.split(","))
+    converted = Path(args.converted)
+    standin = not (converted / "absorbed.json").exists()
+    if standin and not args.standin:
+        raise SystemExit(f"{converted} has no converted model with absorbed weights; convert one (`mha2mla convert`) "
+                         "or pass --standin to develop with a random one.")
+    if standin:
+        converted = build_standin(Path(tempfile.mkdtemp(prefix="mla-standin-")))
+    source, tokenizer, hf_mla, engine = _load_models(args, converted, models)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    ids = harness.held_out_ids(tokenizer, "kjv", max(contexts))
+    rows, checks = [], []
+    for context in contexts:
+        prompt = torch.tensor([ids[:context]])  # (1, T)
+        tokens_in_cache = context + args.warmup + args.steps
+        _mla_rows(engine, hf_mla, prompt, batches, args, tokens_in_cache, rows, checks)
+        if source is not None:
+            _source_rows(source, prompt, batches, args, tokens_in_cache, rows)
+    _ratios(rows)
+    settings = {"converted": "random stand-in (SmolLM2 shapes, r=32, d_r=16)" if standin else str(converted),
+                "kv_lora_rank": engine.config.kv_lora_rank, "rope_dim": engine.config.qk_rope_head_dim,
+                "compute_dtype": args.compute_dtype, "threads": args.threads, "warmup_steps": args.warmup,
+                "timed_steps": args.steps}
+    return settings, rows, checks
 
 
 def _copy_dynamic(cache, batch: int):
@@ -278,7 +237,7 @@ def _copy_dynamic(cache, batch: int):
     return copy
 
 
-def markdown(report: dict) -> str:
+def markdown(rows: list[dict]) -> str:
     def ratio(value, fmt):
         return "" if value is None else format(value, fmt)
 
@@ -286,7 +245,7 @@ def markdown(report: dict) -> str:
         "| context | batch | model | prefill s | decode tok/s | × source | × hf-mla | cache MiB | cache / source |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in report["results"]:
+    for r in rows:
         prefill = "" if r["prefill_s"] is None else f"{r['prefill_s']:.1f}"
         share = "" if r["cache_bytes_vs_source"] is None else f"{100 * r['cache_bytes_vs_source']:.1f}%"
         lines.append(
@@ -294,16 +253,14 @@ def markdown(report: dict) -> str:
             f"{ratio(r['tokens_per_s_vs_source'], '.2f')} | {ratio(r['tokens_per_s_vs_hf_mla'], '.2f')} | "
             f"{r['cache_bytes'] / 2**20:.1f} | {share} |"
         )
-    if report["compute_dtype_comparison"]:
-        lines += ["", dtype_markdown(report["compute_dtype_comparison"])]
     return "\n".join(lines)
 
 
-def main() -> None:
-    cache_root = os.environ.get("MHA2MLA_CACHE", str(Path(__file__).resolve().parents[1] / ".cache"))
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--converted", default=str(Path(cache_root) / "converted" / "smollm2-135m-kv0.125"))
-    parser.add_argument("--source", default=None, help="source GGUF file (default: the bundled SmolLM2-135M)")
+    parser.add_argument("--converted", default=None,
+                        help="converted model folder (default: the cache's converted/smollm2-135m-kv0.125)")
+    parser.add_argument("--source", default=None, help="source folder or .gguf (default: the cached SmolLM2-135M)")
     parser.add_argument("--contexts", default="1024,4096,8192")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps")
@@ -311,22 +268,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--models", default="source,hf-mla,mla-engine",
                         help="comma-separated: source, hf-mla, mla-engine (the engine always runs: the others need it)")
-    parser.add_argument("--compute-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
-                        help="the engine's compute dtypes, side by side on the same steps (the first chooses the tokens)")
-    parser.add_argument("--no-transformers-reference", action="store_true",
-                        help="skip transformers' float32 and bf16 forwards that set the bf16 tolerance")
+    parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the engine's compute dtype")
     parser.add_argument("--hf-own-prefill", action="store_true", help="let transformers' DeepseekV3 run its own prefill")
     parser.add_argument("--standin", action="store_true", help="use a random SmolLM2-shaped MLA model if none is converted")
-    parser.add_argument("--json-out", default=None)
-    args = parser.parse_args()
-    report = run(args)
-    text = json.dumps(report, indent=2)
-    print(text)
-    print()
-    print(markdown(report))
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    harness.add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    args.converted = args.converted or str(harness.cache_path("converted", "smollm2-135m-kv0.125"))
+    settings, rows, checks = run(args)
+    harness.report("decode", settings, rows, args.json_out, table=markdown(rows), checks=checks)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

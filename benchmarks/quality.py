@@ -1,6 +1,6 @@
 """Training-free conversion quality: held-out perplexity of converted models, per KV budget and method.
 
-    OMP_NUM_THREADS=1 MHA2MLA_CACHE=.cache python benchmarks/quality.py \\
+    OMP_NUM_THREADS=1 python benchmarks/quality.py \\
         --budgets 0.3125 0.1875 0.125 --methods weight-svd act-pca act-attention-seq act-attention-refit --profiles exact
 
 The methods are named sets of ``mha2mla.convert.plan.methods.Methods`` (METHODS below): the product's two
@@ -10,27 +10,30 @@ For each budget, method and profile it converts the model (default: SmolLM2-135M
 cached GGUF), loads the result with transformers and scores the held-out KJV and Python-docs slices
 (``mha2mla.evaluation.perplexity``: 16,384 tokens from a third of the way in, 32 × 512 windows; never
 used for calibration — calibration reads the bundled sample). It prints one JSON object per
-conversion, then a JSON summary and a Markdown table with the ratio to the source model.
+conversion, then the JSON record (benchmarks/harness.py) and a Markdown table with the ratio to the source model.
 ``--rope-dims`` sweeps the rope/rank split at each budget (default: the plan's split). ``--compute-dtypes float32
 bfloat16`` converts each setting once per compute dtype, side by side in one run (mha2mla/compute.py), and adds
 the wall time and the per-phase seconds summed over the layers (reconstruction; the rest of each layer) to each row:
 
-    OMP_NUM_THREADS=2 MHA2MLA_CACHE=.cache python benchmarks/quality.py --budgets 0.3125 0.125 \
+    OMP_NUM_THREADS=2 python benchmarks/quality.py --budgets 0.3125 0.125 \
         --methods act-attention-refit-recon --profiles portable --compute-dtypes float32 bfloat16
+
+``--family-smoke`` converts a tiny random source of every family (the tests' builder, tests/common.py) instead and
+prints the logit errors against the source.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: scripts.assets
 
 # name -> changes to the calibrated product method set (methods.product_methods). The product offers only `weight-svd` (`--calib none`) and
 # `act-attention-refit` (the default); the rest are the ablations worth re-measuring (docs/calibration.md).
@@ -64,18 +67,7 @@ def method_set(name: str, profile: str):
     return dataclasses.replace(product_methods(profile, calibrated=True), **METHODS[name])
 
 
-SLICES = ("kjv", "python_docs")
-
-
-def evaluate(folder: Path, slices, num_tokens: int) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mha2mla.evaluation.perplexity import held_out_perplexity
-    from scripts.assets import held_out_text_path
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return {name: held_out_perplexity(model, tokenizer, held_out_text_path(name), num_tokens=num_tokens) for name in slices}
+SLICES = harness.HELD_OUT_SLICES
 
 
 _STATISTICS: dict = {}
@@ -134,7 +126,7 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         result = convert(source, Path(tmp) / "out", options, progress=False, statistics=statistics, methods=methods,
                          command="benchmarks/quality.py")
         seconds = time.time() - started
-        perplexity = evaluate(Path(tmp) / "out", args.slices, args.windows * 512)
+        perplexity = harness.perplexities(Path(tmp) / "out", args.slices, args.windows * 512)
     layers = result.report["layers"]
     return {
         "budget": budget, "method": method, "profile": profile,
@@ -180,24 +172,33 @@ SMOKE_FAMILIES = {
 }
 
 
+def _tests_common():
+    """The tests' tiny-model builders (tests/common.py), loaded from their file."""
+    spec = importlib.util.spec_from_file_location("tests_common", harness.REPO / "tests" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def family_smoke(work: str | None) -> list[dict]:
     """Each family's tiny random source (4 query heads of 16 dims, hidden 64) converted at full capacity (exact
-    profile, an MQA source: exact up to float32 except where the format approximates — Qwen3's q/k norm) and at
-    31.25% (the default, a GQA source with 2 KV heads, calibrated on 16 × 64 tokens): logit errors against the source."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from common import build_source, logits
-
+    profile, float32 compute, an MQA source: exact up to float32 except where the format approximates — Qwen3's q/k
+    norm) and at 31.25% (the default options, a GQA source with 2 KV heads, calibrated on 16 × 64 tokens): logit errors
+    against the source."""
     from mha2mla.convert.options import ConvertOptions
     from mha2mla.convert.pipeline import convert
 
+    common = _tests_common()
+    build_source, logits = common.build_source, common.logits
     tokens = torch.randint(0, 384, (4, 64), generator=torch.Generator().manual_seed(0))
     one_position = torch.arange(0, 384, 12).view(-1, 1)
     rows = []
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         for name, (model_type, extra, rotating) in SMOKE_FAMILIES.items():
             settings = {
+                # float32 compute: the exact setting (auto computes in bf16 where the CPU has it)
                 "MQA, full capacity (exact)": (1, ConvertOptions(profile="exact", kv_lora_rank=33, rope_dim=rotating,
-                                                                 calib_samples=16, calib_seq_len=64)),
+                                                                 calib_samples=16, calib_seq_len=64, compute_dtype="float32")),
                 "GQA, 31.25% (default)": (2, ConvertOptions(kv_budget=0.3125, calib_samples=16, calib_seq_len=64)),
             }
             for label, (kv_heads, options) in settings.items():
@@ -221,7 +222,7 @@ def smoke_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="source model (default: the cached SmolLM2-135M GGUF)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.3125, 0.1875, 0.125])
@@ -239,22 +240,23 @@ def main(argv=None) -> int:
     parser.add_argument("--slices", nargs="+", default=list(SLICES), choices=list(SLICES))
     parser.add_argument("--windows", type=int, default=32, help="512-token windows per slice (32 = the acceptance slices)")
     parser.add_argument("--work", default=None, help="folder for temporary checkpoints")
-    parser.add_argument("--json", default=None, help="also write the summary JSON here")
     parser.add_argument("--family-smoke", action="store_true",
                         help="convert a tiny random source of every family and print the logit errors (no real model)")
-    args = parser.parse_args(argv)
+    harness.add_output_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.family_smoke:
-        print(smoke_markdown(family_smoke(args.work)))
+        rows = family_smoke(args.work)
+        harness.report("family-smoke", {}, rows, args.json_out, table=smoke_markdown(rows))
         return 0
-
-    from mha2mla.io.source import resolve_source
-    from scripts.assets import default_model_gguf
-
-    source = resolve_source(args.model or default_model_gguf())
-    source_ppl = {k: round(v, 3) for k, v in evaluate(source, args.slices, args.windows * 512).items()}
-    source_values = json.loads((source / "config.json").read_text())
-    source_values = 2 * source_values.get("num_key_value_heads", source_values["num_attention_heads"]) * (
-        source_values.get("head_dim") or source_values["hidden_size"] // source_values["num_attention_heads"])
+    source = harness.source_model(args.model)
+    source_ppl = {k: round(v, 3) for k, v in harness.perplexities(source, args.slices, args.windows * 512).items()}
+    config = json.loads((source / "config.json").read_text())
+    source_values = 2 * config.get("num_key_value_heads", config["num_attention_heads"]) * (
+        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     print(json.dumps({"source": str(source), "perplexity": source_ppl}), flush=True)
     rows = []
     for budget in args.budgets:
@@ -267,12 +269,9 @@ def main(argv=None) -> int:
                         row["ratio"] = {k: round(row["perplexity"][k] / source_ppl[k], 3) for k in args.slices}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-    summary = {"source_perplexity": source_ppl, "windows": args.windows, "calib": args.calib,
-               "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len, "results": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary))
-    print(markdown(rows, source_ppl))
+    settings = {"source": str(source), "windows": args.windows, "calib": args.calib, "calib_samples": args.calib_samples,
+                "calib_seq_len": args.calib_seq_len}
+    harness.report("quality", settings, rows, args.json_out, table=markdown(rows, source_ppl), source_perplexity=source_ppl)
     return 0
 
 
