@@ -19,9 +19,6 @@ import json
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: scripts.assets
 
 
 def timed(totals: dict, name: str, function):
@@ -90,9 +87,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-budget", type=float, default=0.3125)
     parser.add_argument("--compute-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
-    from scripts.assets import default_model_gguf
+    from mha2mla.io.cache import cached_default_model
 
-    source = str(args.model or default_model_gguf())
+    source = str(args.model or cached_default_model())
     rows = []
     for compute_dtype in args.compute_dtypes:
         rows.append(run(source, compute_dtype, args))
