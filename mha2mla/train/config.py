@@ -91,7 +91,9 @@ class RecoverConfig(BaseModel):
                                          "term (each layer's residual stream against the teacher's), added to the loss")
 
     # runtime
-    attn_implementation: Literal["sdpa", "eager", "mha2mla_triton"] = Field("sdpa", description="attention kernel")
+    attn_implementation: Literal["sdpa", "eager", "mha2mla_triton", "auto"] = Field(
+        "sdpa", description="attention kernel; auto: the Triton MLA kernel where a GPU measurement shows it at least as "
+        "fast as SDPA for this GPU, compute dtype and head dims, SDPA elsewhere (docs/kernels.md)")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="what the forwards and backwards compute in: bfloat16 (autocast over float32 trainable and "
         "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, float32 on a CPU "

@@ -22,9 +22,15 @@ log = logging.getLogger(__name__)
 TRITON_ATTENTION = "mha2mla_triton"
 
 
-def resolve_attn_implementation(name: str) -> str:
+def resolve_attn_implementation(name: str, device_type: str = "cpu", compute_dtype: str = "float32",
+                                model_config: dict | None = None) -> str:
     """``sdpa`` / ``eager`` as they are; ``mha2mla_triton`` once the kernels package registers it with
-    transformers' ``AttentionInterface`` (importing ``mha2mla.kernels`` is expected to do so)."""
+    transformers' ``AttentionInterface`` (importing ``mha2mla.kernels`` is expected to do so); ``auto``: the kernel
+    where a GPU measurement shows it at least as fast as SDPA here, else ``sdpa`` (mha2mla/kernels/speed_table.py)."""
+    if name == "auto":
+        from mha2mla.kernels.speed_table import training_attention
+
+        name = training_attention(device_type, compute_dtype, model_config or {})
     if name != TRITON_ATTENTION:
         return name
     try:
@@ -49,7 +55,8 @@ def read_model_config(folder: str | Path) -> dict:
         raise UserError(f"{path / 'config.json'} is not valid JSON.") from None
 
 
-def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
+def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
+                 device_type: str = "cpu", compute_dtype: str = "float32"):
     """The converted DeepSeek-V3 MLA model, in ``dtype`` (fp32 master weights for training); ``sdpa`` runs as
     ``mha2mla_sdpa`` (mha2mla/modeling/sdpa.py) so that the fused kernels serve MLA's unequal head dims."""
     config = read_model_config(folder)
@@ -58,7 +65,8 @@ def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: t
             f"{folder} is a {config.get('model_type')!r} model, not a converted DeepSeek-V3 MLA model; "
             "run `mha2mla convert` first."
         )
-    implementation = mla_attention_for(config, resolve_attn_implementation(attn_implementation))
+    implementation = mla_attention_for(config, resolve_attn_implementation(attn_implementation, device_type,
+                                                                           compute_dtype, config))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=implementation)
     model.config.use_cache = False
     return model
@@ -85,7 +93,7 @@ def check_teacher_path(source: str) -> Path:
 def load_teacher(source: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
     """The frozen source model: a Hugging Face folder or a ``.gguf`` file (dequantized on load)."""
     path = check_teacher_path(source)
-    impl = "sdpa" if attn_implementation == TRITON_ATTENTION else attn_implementation  # the source is MHA/GQA
+    impl = "sdpa" if attn_implementation in (TRITON_ATTENTION, "auto") else attn_implementation  # an MHA/GQA source
     if path.is_file():  # a dequantized GGUF model is a plain float model (docs/recover.md)
         model, _ = load_gguf_model(path, dtype, attn_implementation=impl)
     else:

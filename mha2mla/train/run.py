@@ -111,7 +111,8 @@ class RecoveryRun:
                                                       self.show_progress)
         self.order = RowOrder(len(self.train_rows), config.seed)
         set_seed(config.seed)  # before the LoRA weights are drawn
-        student = load_student(config.model, config.attn_implementation)
+        student = load_student(config.model, config.attn_implementation, device_type=run_device().type,
+                               compute_dtype=self.compute_dtype)
         student = make_trainable(student, config.adapter, layers=config.full_layers)
         self.setup_training(student, teacher)
         open_run_folder(self)
