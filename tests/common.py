@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -160,3 +162,19 @@ def tiny_deepseek_config(
     )
     kwargs.update(extra)
     return DeepseekV3Config(**kwargs)
+
+
+def snapshot(root: Path) -> dict:
+    """Every entry under ``root``: kind, permission bits and content hash (or link target)."""
+    entries = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            mode = path.lstat().st_mode & 0o7777
+            if path.is_symlink():
+                entries[str(path.relative_to(root))] = ("link", os.readlink(path))
+            elif path.is_dir():
+                entries[str(path.relative_to(root))] = ("dir", mode)
+            else:
+                entries[str(path.relative_to(root))] = ("file", mode, hashlib.sha256(path.read_bytes()).hexdigest())
+    return entries

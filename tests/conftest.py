@@ -16,6 +16,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
+import logging
+import sys
 
 import torch
 
@@ -53,3 +55,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted: capsys swaps it in only when the test body
+    runs, after fixtures are set up."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+@pytest.fixture
+def stderr_logging():
+    """Log records reach stderr as in the real CLI (pytest's own handlers would swallow them)."""
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    yield
+    root.removeHandler(handler)
+    root.setLevel(level)

@@ -1,12 +1,15 @@
 """The ``mha2mla`` command. Each subcommand lives in ``mha2mla/cli/<name>.py`` and exposes
 ``register(app)``; this module only assembles them and turns every user mistake -- a UserError or a command line
-that does not parse -- into one sentence on stderr and exit status 2."""
+that does not parse -- into one sentence on stderr and exit status 2, and an interruption -- Ctrl-C (SIGINT) or
+SIGTERM (what ``timeout``, ``docker stop``, Slurm and systemd send) -- into one sentence and exit status 130 or 143,
+after every staging folder has been removed on the way out (the writers clean up on any exception)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import logging
+import signal
 import sys
 
 import typer
@@ -62,6 +65,7 @@ def _name_values(command) -> None:
         described = param.type_descriptor
         if param.param_type_name == "argument":
             param.metavar = param.name.upper()
+            param.display_type_rich = lambda ctx: None  # the help row is the name alone, not `SOURCE <str>`
         elif described.is_choice:
             param.metavar = "[" + "|".join(str(getattr(c, "value", c)) for c in described.choices) + "]"
         else:
@@ -78,26 +82,71 @@ def _usage_sentence(error) -> str:
     return f"{message.rstrip('.')}; see `{where} --help`."
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as a KeyboardInterrupt so that every cleanup written for Ctrl-C runs (the
+    staging folders, recover's run); only the sentence and the exit status (143) differ."""
+
+
+_received = {"sigterm": False}
+
+
+def _terminate(signum, frame) -> None:
+    _received["sigterm"] = True
+    raise Terminated
+
+
+# What an interruption leaves, per command: the writers stage their output and remove it on the way out, and a
+# recover run keeps the checkpoints it saved.
+_AFTER_INTERRUPT = {
+    "recover": "the checkpoints already saved in --out are kept; run the same command with --resume auto to continue",
+    "eval": "no results were written; run the command again",
+}
+_DEFAULT_AFTER_INTERRUPT = "nothing partial was kept; run the command again to finish"
+
+
+def _command_name(argv: list[str]) -> str | None:
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def _interrupted(message: str | None = None) -> None:
+    """One sentence for Ctrl-C or SIGTERM; ``message``: what the command said about it (recover's run)."""
+    message = message or f"interrupted; {_AFTER_INTERRUPT.get(_command_name(sys.argv[1:]), _DEFAULT_AFTER_INTERRUPT)}."
+    if _received["sigterm"]:
+        _fail(message.replace("interrupted", "terminated (SIGTERM)", 1), 143)
+    _fail(message, 130)
+
+
 def _fail(message: str, code: int) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     sys.exit(code)
 
 
-def main() -> None:
-    command = typer.main.get_command(app)
-    _name_values(command)
+def _run(command) -> None:
     try:
         code = command.main(prog_name="mha2mla", standalone_mode=False)
     except typer.TyperException as error:  # the public base of the parse errors of typer's click
         usage = error.exit_code == 2  # click's UsageError and its subclasses: a command line that does not parse
         _fail(_usage_sentence(error) if usage else " ".join(error.format_message().split()), error.exit_code)
     except UserError as error:
+        if getattr(error, "exit_code", 2) == 130:  # an interruption the command put in words (recover's run)
+            _interrupted(str(error))
         _fail(str(error), 2)
     except (typer.Abort, KeyboardInterrupt):
         code = 130
     if code == 130:  # Ctrl-C: typer turns KeyboardInterrupt into Exit(130), which standalone_mode=False returns
-        _fail("interrupted; run the command again to finish (no partial output is kept).", 130)
+        _interrupted()
     sys.exit(code if isinstance(code, int) else 0)  # as click's standalone mode: always through SystemExit
+
+
+def main() -> None:
+    command = typer.main.get_command(app)
+    _name_values(command)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _run(command)
+    finally:  # the caller's handler again (main() also runs in-process, under tests)
+        signal.signal(signal.SIGTERM, previous)
+        _received["sigterm"] = False
 
 
 if __name__ == "__main__":

@@ -88,9 +88,9 @@ def write_report(results: list[dict], settings: dict, out: Path) -> dict:
         for name in report["files"]:
             os.replace(staging / name, out / name)
     except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         remove_made(made)
         raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
     report["plots"] = {key: str(out / name) for key, name in report["plots"].items()}
     return report

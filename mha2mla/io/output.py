@@ -47,7 +47,7 @@ _RUN_ENTRIES = re.compile(r"^(step-\d+|checkpoints|train_log\.jsonl|recover_conf
 # tokenizer, card, reports.
 _OUTPUT_ENTRIES = re.compile(
     r"^(config\.json|generation_config\.json|README\.md|conversion_report\.json|recovery_report\.json|"
-    r"(model|absorbed)(-\d+-of-\d+)?\.safetensors|(model|absorbed)\.safetensors\.index\.json|"
+    r"(model|absorbed)(-\d+-of-\d+)?\.safetensors|(model|absorbed)\.safetensors\.index\.json|absorbed\.json|"
     r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|tokenizer\.model|vocab\.json|merges\.txt|"
     r"added_tokens\.json|chat_template\.jinja|chat_template\.json)$"
 )

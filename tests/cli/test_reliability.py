@@ -9,7 +9,6 @@ replaces an earlier mha2mla output by a swap, and what a killed run left is clea
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -21,55 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
-from common import SAMPLE_TEXT, build_source, run_cli, tiny_deepseek_config, tiny_tokenizer
+from common import SAMPLE_TEXT, build_source, run_cli, snapshot, tiny_deepseek_config, tiny_tokenizer
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mha2mla import UserError
 from mha2mla.io.output import staged_output, staging_path
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is when a record is emitted: capsys swaps it in only when the test body
-    runs, after fixtures are set up."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
-
-@pytest.fixture
-def stderr_logging():
-    """Log records reach stderr as in the real CLI (pytest's own handlers would swallow them)."""
-    handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    root = logging.getLogger()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    yield
-    root.removeHandler(handler)
-    root.setLevel(level)
-
-
-def snapshot(root: Path) -> dict:
-    """Every entry under ``root``: kind, permission bits and content hash (or link target)."""
-    entries = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(folder) / name
-            mode = path.lstat().st_mode & 0o7777
-            if path.is_symlink():
-                entries[str(path.relative_to(root))] = ("link", os.readlink(path))
-            elif path.is_dir():
-                entries[str(path.relative_to(root))] = ("dir", mode)
-            else:
-                entries[str(path.relative_to(root))] = ("file", mode, hashlib.sha256(path.read_bytes()).hexdigest())
-    return entries
 
 
 def _copy(llama_source: Path, where: Path) -> Path:
@@ -558,7 +514,7 @@ def test_ctrl_c_prints_its_one_line(llama_source, tmp_path, capsys, monkeypatch,
     before = snapshot(tmp_path)
     code, _, err = run_cli(["convert", llama_source, tmp_path / "out", "--calib", "none"], capsys)
     assert code == 130 and err.strip().splitlines() == [
-        "error: interrupted; run the command again to finish (no partial output is kept)."], err
+        "error: interrupted; nothing partial was kept; run the command again to finish."], err
     assert snapshot(tmp_path) == before
 
 
@@ -671,7 +627,7 @@ def unfinished_run(tiny_mla, tmp_path_factory) -> tuple[Path, Path]:
         code, _, err = run_cli(["recover", tiny_mla, "--data", base / "corpus.txt", "--out", base / "run", *RUN_FLAGS],
                                _NoCapture())
     assert code == 0, err
-    assert sorted(p.name for p in (base / "run").glob("step-*")) == ["step-000002", "step-000004"]
+    assert sorted(p.name for p in (base / "run" / "checkpoints").glob("step-*")) == ["step-000002", "step-000004"]
     return base / "corpus.txt", base / "run"
 
 
@@ -691,7 +647,7 @@ def _damage(run: Path, what: str) -> str:
     """Damage the newest checkpoint as a kill -9 or a bad disk would; the file the sentence must name."""
     import pickle
 
-    step = run / "step-000004"
+    step = run / "checkpoints" / "step-000004"
     if what == "optimizer_truncated":
         data = (step / "optimizer.pt").read_bytes()
         (step / "optimizer.pt").write_bytes(data[: len(data) // 2])
@@ -722,7 +678,7 @@ def test_resuming_a_damaged_checkpoint_names_it(what, unfinished_run, tiny_mla, 
                                                 stderr_logging):
     corpus, run = _run_copy(unfinished_run, tmp_path)
     needle = _damage(run, what)
-    args = ["recover", tiny_mla, "--data", corpus, "--out", run, *RUN_FLAGS, "--resume", run / "step-000004"]
+    args = ["recover", tiny_mla, "--data", corpus, "--out", run, *RUN_FLAGS, "--resume", run / "checkpoints" / "step-000004"]
     _refused(args, None, needle, tmp_path, capsys, monkeypatch)
 
 
@@ -743,7 +699,7 @@ def test_resume_auto_with_every_checkpoint_damaged(unfinished_run, tiny_mla, tmp
                                                    stderr_logging):
     corpus, run = _run_copy(unfinished_run, tmp_path)
     for step in ("step-000002", "step-000004"):
-        (run / step / "optimizer.pt").write_bytes(b"")
+        (run / "checkpoints" / step / "optimizer.pt").write_bytes(b"")
     args = ["recover", tiny_mla, "--data", corpus, "--out", run, *RUN_FLAGS, "--resume", "auto"]
     _refused(args, None, "every checkpoint in", tmp_path, capsys, monkeypatch)
 
@@ -768,14 +724,14 @@ def test_kill_9_inside_a_checkpoint_save_then_resume_auto(unfinished_run, tiny_m
                str(run), *RUN_FLAGS]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while not list(run.glob(".step-000004.mha2mla-tmp.*/HELD")) and process.poll() is None:
+        while not list(run.glob("checkpoints/.step-000004.mha2mla-tmp.*/HELD")) and process.poll() is None:
             time.sleep(0.05)
     finally:
         process.kill()
         process.wait()
     assert process.returncode == -9, "the run ended before it reached its step-4 save"
-    assert not (run / "step-000004").exists()
-    assert load_checkpoint(run / "step-000002")["state"]["step"] == 2  # every file of the previous one reads back
+    assert not (run / "checkpoints" / "step-000004").exists()
+    assert load_checkpoint(run / "checkpoints" / "step-000002")["state"]["step"] == 2  # every file of the previous one reads back
 
     del env[HOLD_ENV]
     resumed = subprocess.run([*command, "--resume", "auto"], env=env, capture_output=True, text=True, check=False)
@@ -817,7 +773,7 @@ def test_recover_export_on_a_full_disk(tiny_mla, tmp_path, capsys, monkeypatch, 
     assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: could not write"), err
     assert "No space left on device" in lines[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "run"]  # no staging folder beside the run
-    assert not (run / "config.json").exists() and (run / "step-000004").is_dir()  # the run's checkpoints are kept
+    assert not (run / "config.json").exists() and (run / "checkpoints" / "step-000004").is_dir()  # kept
 
 
 @pytest.mark.parametrize("text", ["recover:\n  data: [a, b\n", "source: x\n  bad: indent\n", "key: 'unclosed\n"])
