@@ -12,8 +12,8 @@ import typer
 from mha2mla import UserError
 from mha2mla.cli.settings import Flags, with_settings
 from mha2mla.devices import check_device
-from mha2mla.generation import GenerateConfig
 from mha2mla.io.model_folder import check_model_folder
+from mha2mla.modeling.generate_config import GenerateConfig
 
 FLAGS = Flags(
     settings=("prompt", "max_new_tokens", "temperature", "top_p", "seed", "device", "compute_dtype", "chat", "ignore_eos"),

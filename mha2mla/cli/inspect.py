@@ -18,7 +18,7 @@ def inspect_command(
     reachable."""
     check_source(model)  # a mistyped path is one sentence before torch loads
     require_gguf_reader(model)
-    from mha2mla.inspect import inspect_model
+    from mha2mla.inspection import inspect_model
 
     info = inspect_model(model)
     if as_json:

@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM
 
 import mha2mla.compute
 from mha2mla import UserError
-from mha2mla.generation import GenerateConfig
 from mha2mla.kernels.reference import latent_cache_decode_reference
 from mha2mla.modeling.absorbed import write_absorbed
 from mha2mla.modeling.generate import MLAEngine
+from mha2mla.modeling.generate_config import GenerateConfig
 from mha2mla.modeling.linear import linear, pack, packing_applies
 
 PROMPTS = [[5, 17, 3, 99, 42, 7, 250, 11, 64], [9, 8], [120, 33, 200, 1, 77]]
@@ -115,21 +115,13 @@ def test_reduced_precision_decode_attention_keeps_the_reference_numbers():
     assert torch.equal(again[1], got[1])
 
 
-def test_dtype_is_the_old_name_of_compute_dtype():
-    assert GenerateConfig(prompt="hi", dtype="bfloat16").compute_dtype == "bfloat16"
-    assert GenerateConfig(prompt="hi", dtype="float32", compute_dtype="float32").compute_dtype == "float32"
+def test_generate_has_one_dtype_setting(folder, capsys):
+    """compute_dtype is the decode's one dtype setting; the old `dtype` name is gone (refused as unknown)."""
     assert GenerateConfig(prompt="hi").compute_dtype == "auto"
-    with pytest.raises(ValueError, match="contradicts"):
-        GenerateConfig(prompt="hi", dtype="float32", compute_dtype="bfloat16")
-
-
-def test_cli_refuses_contradicting_dtypes_and_decodes_in_the_one_given(folder, capsys):
-    code, _, err = run_cli(["generate", folder, "-p", "the", "--dtype", "float32", "--compute-dtype", "bfloat16"],
-                           capsys)
-    assert code == 2 and "contradicts compute_dtype" in err and "Traceback" not in err
-    outputs = {}
-    for flags in (["--compute-dtype", "bfloat16"], ["--dtype", "bfloat16"]):
-        code, out, err = run_cli(["generate", folder, "-p", "the latent ", "-n", "6", "--ignore-eos", *flags], capsys)
-        assert code == 0, err
-        outputs[flags[0]] = out
-    assert outputs["--compute-dtype"] == outputs["--dtype"]
+    with pytest.raises(ValueError, match="dtype"):
+        GenerateConfig(prompt="hi", dtype="float32")
+    code, _, err = run_cli(["generate", folder, "-p", "the", "--dtype", "float32"], capsys)
+    assert code == 2 and "--dtype" in err and "Traceback" not in err
+    code, out, err = run_cli(["generate", folder, "-p", "the latent ", "-n", "6", "--ignore-eos", "--compute-dtype",
+                              "bfloat16"], capsys)
+    assert code == 0 and out.strip(), err
