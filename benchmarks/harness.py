@@ -192,6 +192,18 @@ def report(suite: str, settings: dict, rows: Sequence[dict], json_out: str | Non
     return record
 
 
+def run(main: Callable[[], int | None]) -> int:
+    """Call a suite's ``main``; a mistake in its input or a missing asset (``mha2mla.UserError``) is one ``error:``
+    line and exit status 2, not a traceback."""
+    from mha2mla import UserError
+
+    try:
+        return main() or 0
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.parse_args(argv)

@@ -8,11 +8,13 @@ slice, to keep the demo quick).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from mha2mla import UserError
 from mha2mla.data.held_out import held_out_token_ids
 from mha2mla.io.cache import cached_default_model, cached_held_out_text
 
@@ -65,4 +67,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as error:  # a missing asset: one sentence saying how to fetch it
+        sys.exit(f"error: {error}")
