@@ -8,6 +8,7 @@ command's model once the flags are merged in, so a contradiction between the rec
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 import yaml
@@ -84,7 +85,24 @@ def load_recipe(path: str | Path) -> Recipe:
         found = _unknown_key(value or {}, model)
         if found is not None:
             raise UserError(_unknown_sentence(path, section, *found))
-    return Recipe.model_validate({key: value for key, value in data.items() if value is not None})
+    return Recipe.model_validate({key: _expand_cache(value) for key, value in data.items() if value is not None})
+
+
+# A recipe names what `make assets` fetched by this variable, so it works from any folder (mha2mla/io/cache.py).
+_CACHE_VARIABLE = re.compile(r"\$\{MHA2MLA_CACHE\}|\$MHA2MLA_CACHE\b")
+
+
+def _expand_cache(value):
+    """``$MHA2MLA_CACHE`` (or ``${MHA2MLA_CACHE}``) in a recipe's strings is the cache folder, set or not."""
+    if isinstance(value, dict):
+        return {key: _expand_cache(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_expand_cache(item) for item in value]
+    if isinstance(value, str) and _CACHE_VARIABLE.search(value):
+        from mha2mla.io.cache import cache_dir
+
+        return _CACHE_VARIABLE.sub(lambda _: str(cache_dir()), value)
+    return value
 
 
 def merge(base: dict, overrides: dict, replaced: dict[str, tuple[str, ...]] | None = None) -> dict:

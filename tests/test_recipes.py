@@ -113,3 +113,18 @@ def test_recover_lists_each_setting_once():
 def test_generate_refuses_contradictions(args, message, capsys):
     code, stdout, err = run_cli(args, capsys)
     assert code == 2 and err.strip() == message and stdout == ""
+
+
+def test_recipe_paths_name_the_cache_and_work_from_any_folder(tmp_path, monkeypatch):
+    """`$MHA2MLA_CACHE` in a recipe is the cache folder whether the variable is set or not, so a shipped recipe's
+    source resolves the same from the checkout's root and from anywhere else."""
+    from mha2mla.io.cache import cache_dir
+
+    recipe = ROOT / "recipes" / "smollm2" / "135m-kv12.5-healed.yaml"
+    monkeypatch.delenv("MHA2MLA_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    loaded = load_recipe(recipe)
+    assert loaded.source == str(cache_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert loaded.recover["data"].startswith(str(cache_dir()))
+    monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path / "elsewhere"))
+    assert load_recipe(recipe).source == str(tmp_path / "elsewhere" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
