@@ -1,0 +1,252 @@
+"""Conversion cost: the default conversion against its floor, phase by phase, in one process (issue 49).
+
+    OMP_NUM_THREADS=2 python benchmarks/convert_cost.py --kv-budget 0.3125                # whole SmolLM2-135M
+    OMP_NUM_THREADS=2 python benchmarks/convert_cost.py --kv-budget 0.125 --quality      # + held-out perplexity
+    OMP_NUM_THREADS=1 python benchmarks/convert_cost.py --shape llama3-8b --layers 1      # one layer, Llama-3-8B widths
+
+The source is the cached SmolLM2-135M-Instruct (``make assets``; ``--model`` for another) or, with ``--shape``, a
+random-weight source with the real layer widths built by benchmarks/scale.py (its vocabulary of ``--vocab`` tokens).
+
+The **floor** is one forward of the whole source (embedding, every decoder layer, final norm, LM head) over the
+very calibration tokens the conversion reads, in the conversion's compute dtype, threads and batch size (logits
+made and dropped batch by batch). Then the **default conversion** (``mha2mla.convert.pipeline.convert`` with the
+product's options; ``--kv-budget``, ``--compute-dtype``, ``--calib-samples`` as convert's) runs in the same process,
+each phase timed exclusively (time spent in a phase called from another counts in the inner one only):
+
+- statistics: the calibration measure (moments, the source attention's probabilities);
+- solves: the closed-form latent steps (rope mixing, rope compensation, the low rank's eigen/least-squares work,
+  the layer's assembly);
+- refinement: the Adam fits inside the latent steps (the attention-aware latent, the kv_a_layernorm stabiliser);
+- source heads: the source attention's head outputs on the source stream (read by the refit and the reconstruction);
+- refit, reconstruction: the two fit steps; advance: both streams pushed through the layer;
+- layer read: the source layer's weights read for the stream; writing: tensors, metadata, card; other: the rest.
+
+Peak memory of the conversion alone: VmHWM, reset after the floor (``/proc/self/clear_refs``). ``--quality`` adds
+the held-out perplexity of the converted model (the acceptance slices, mha2mla.evaluation.perplexity). Prints one
+JSON object and a Markdown table; the figure is conversion / floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+GIB = 1024**3
+
+
+class PhaseClock:
+    """Exclusive seconds per phase: a phase entered inside another stops the outer one's clock."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.stack: list[list] = []  # [name, started]
+
+    def wrap(self, name: str, function):
+        def timed(*args, **kwargs):
+            now = time.perf_counter()
+            if self.stack:
+                outer = self.stack[-1]
+                self.seconds[outer[0]] += now - outer[1]
+            self.stack.append([name, now])
+            try:
+                return function(*args, **kwargs)
+            finally:
+                done = time.perf_counter()
+                self.seconds[name] += done - self.stack.pop()[1]
+                if self.stack:
+                    self.stack[-1][1] = done
+        return timed
+
+
+@contextmanager
+def patched(clock: PhaseClock):
+    """Time the conversion's phases by wrapping the functions the pipeline calls (restored on exit)."""
+    import dataclasses
+
+    from mha2mla.convert import pipeline
+    from mha2mla.convert.calibration import stream
+    from mha2mla.convert.steps import attention, lowrank, norm, registry
+    from mha2mla.io.writer import ShardedWriter
+
+    phase_of_kind = {"rope_mixing": "solves", "rope_compensation": "solves", "lowrank": "solves", "kv_norm": "solves",
+                     "refit": "refit", "reconstruct": "reconstruction"}
+    targets = [(pipeline, "measure", "statistics"), (attention, "assemble", "solves"),
+               (lowrank, "optimise_down", "refinement"), (norm, "stabilized_norm", "refinement"),
+               (stream.LayerActivations, "source_heads", "source heads"), (stream.CalibrationStream, "advance", "advance"),
+               (stream.CalibrationStream, "enter", "layer read"), (ShardedWriter, "add", "writing"),
+               (ShardedWriter, "finish", "writing"), (pipeline, "_write_metadata", "writing"),
+               (pipeline, "write_model_card", "writing")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets] + [(attention, "step", attention.step)]
+    for owner, name, phase in targets:
+        setattr(owner, name, clock.wrap(phase, getattr(owner, name)))
+
+    def timed_step(kind, name):
+        found = registry.step(kind, name)
+        return dataclasses.replace(found, function=clock.wrap(phase_of_kind[kind], found.function))
+
+    attention.step = timed_step
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM starts again from the current RSS
+
+
+def floor_seconds(source: Path, options) -> tuple[float, dict]:
+    """One forward of the whole source over the conversion's calibration tokens, as the conversion would run it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mha2mla.compute import torch_dtype
+    from mha2mla.convert.calibration.memory import calibration_batch
+    from mha2mla.convert.plan.resolve import make_plan
+    from mha2mla.families import family_for_config
+    from mha2mla.io.source import open_source
+
+    ckpt = open_source(source)
+    plan = make_plan(ckpt.config, family_for_config(ckpt.config), options)
+    tokens = _calibration_tokens(plan, ckpt.folder)
+    dtype = torch_dtype(plan.compute_dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt.folder), dtype=dtype, attn_implementation="sdpa").eval()
+    batch = calibration_batch(plan)
+    started = time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, tokens.shape[0], batch):
+            model(input_ids=tokens[start : start + batch]).logits.float().sum()  # (b, L, vocab), dropped
+    seconds = time.perf_counter() - started
+    del model
+    return seconds, {"compute_dtype": plan.compute_dtype, "tokens": list(tokens.shape), "batch": batch}
+
+
+def _calibration_tokens(plan, folder: Path):
+    """The (N, L) token ids the conversion's calibration stream reads (convert/calibration/stream.py: the same text,
+    tokenizer and windows)."""
+    from transformers import AutoTokenizer
+
+    from mha2mla.convert.calibration.data import calibration_documents, calibration_token_ids
+
+    settings = plan.calibration
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return calibration_token_ids(calibration_documents(settings.text), tokenizer, settings.samples, settings.seq_len)
+
+
+def conversion(source: Path, options, work: str | None, quality: bool, windows: int) -> dict:
+    """The default conversion with its phases timed; its held-out perplexity when ``quality``."""
+    from mha2mla.convert.pipeline import convert
+
+    clock = PhaseClock()
+    reset_peak_rss()
+    with tempfile.TemporaryDirectory(dir=work) as tmp, patched(clock):
+        started = time.perf_counter()
+        result = convert(source, Path(tmp) / "out", options, progress=True, command="benchmarks/convert_cost.py")
+        wall = time.perf_counter() - started
+        peak = peak_rss()
+        perplexity = _perplexity(Path(tmp) / "out", windows) if quality else None
+    phases = {name: round(seconds, 2) for name, seconds in clock.seconds.items()}
+    phases["other"] = round(wall - sum(clock.seconds.values()), 2)
+    layers = result.report["layers"]
+    return {"seconds": round(wall, 2), "phases": phases, "peak_rss_gib": round(peak / GIB, 3),
+            "reconstruction_steps": sum(layer.get("reconstruction_steps", 0) for layer in layers),
+            # per layer: the held-out error at each of the reconstruction's measurements (every EVAL_EVERY steps)
+            "reconstruction_curves": [layer["reconstruction_curve"] for layer in layers if "reconstruction_curve" in layer],
+            "layers": len(layers), "plan": {"kv_lora_rank": result.plan.kv_lora_rank, "rope_dim": result.plan.rope_dim,
+                                            "compute_dtype": result.plan.compute_dtype},
+            "perplexity": perplexity}
+
+
+def _perplexity(folder: Path, windows: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mha2mla.evaluation.perplexity import held_out_perplexity
+    from mha2mla.io.cache import HELD_OUT_TEXTS, held_out_text_path
+    from mha2mla.modeling.sdpa import mla_attention_for
+
+    config = json.loads((folder / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                 attn_implementation=mla_attention_for(config, "sdpa")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return {name: round(held_out_perplexity(model, tokenizer, held_out_text_path(name), num_tokens=windows * 512), 3)
+            for name in HELD_OUT_TEXTS}
+
+
+def markdown(row: dict) -> str:
+    floor, convert = row["floor_seconds"], row["conversion"]
+    lines = ["| measured | seconds | share of the conversion | × floor |", "|---|---:|---:|---:|",
+             f"| floor: one forward of the source over the calibration tokens | {floor:.1f} | — | 1.00 |"]
+    for name, seconds in sorted(convert["phases"].items(), key=lambda item: -item[1]):
+        lines.append(f"| {name} | {seconds:.1f} | {seconds / convert['seconds']:.0%} | {seconds / floor:.2f} |")
+    lines.append(f"| **conversion** | **{convert['seconds']:.1f}** | 100% | **{convert['seconds'] / floor:.2f}** |")
+    lines.append(f"\npeak RSS of the conversion {convert['peak_rss_gib']:.2f} GiB; perplexity {convert['perplexity']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="source model (default: the cached SmolLM2-135M GGUF)")
+    parser.add_argument("--shape", default=None, help="a random-weight source of benchmarks/scale.py (llama3-8b, ...)")
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers of a --shape source")
+    parser.add_argument("--vocab", type=int, default=4096, help="vocabulary of a --shape source")
+    parser.add_argument("--kv-budget", type=float, default=None, help="convert's --kv-budget (default: its own)")
+    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--calib-samples", type=int, default=None, help="convert's --calib-samples (default: its own)")
+    parser.add_argument("--calib-device", default="cpu")
+    parser.add_argument("--quality", action="store_true", help="score the converted model on the held-out texts")
+    parser.add_argument("--windows", type=int, default=32, help="512-token held-out windows per text (--quality)")
+    parser.add_argument("--work", default=None, help="folder for the temporary output (and --shape sources: .cache/)")
+    parser.add_argument("--json", default=None, help="also write the JSON object here")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import os
+
+    import torch
+
+    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.io.cache import cache_dir, cached_default_model
+    from mha2mla.io.source import resolve_source
+
+    if args.shape:
+        from scale import build_source  # benchmarks/scale.py, beside this script
+
+        folder = cache_dir() / "scale" / f"{args.shape}-{args.layers}l-v{args.vocab}"
+        source = build_source(args.shape, args.layers, args.vocab, torch.bfloat16, folder)
+    else:
+        source = resolve_source(args.model or cached_default_model())
+    options = ConvertOptions(kv_budget=args.kv_budget, compute_dtype=args.compute_dtype,
+                             calib_samples=args.calib_samples, calib_device=args.calib_device)
+    floor, floor_info = floor_seconds(source, options)
+    row = {"source": str(source), "shape": args.shape or "SmolLM2-135M", "kv_budget": options.budget,
+           "threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+           "load_average": os.getloadavg(), "floor_seconds": round(floor, 2), "floor": floor_info}
+    row["conversion"] = conversion(source, options, args.work, args.quality, args.windows)
+    row["conversion_over_floor"] = round(row["conversion"]["seconds"] / floor, 2)
+    row["load_average_after"] = os.getloadavg()
+    print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(row, indent=2) + "\n")
+    print(markdown(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
