@@ -16,16 +16,13 @@ from mha2mla.cli.settings import Flags, with_settings
 from mha2mla.extras import require_extra
 from mha2mla.train.config import RecoverConfig
 
-# settings a recipe may give but no flag shows: off by default, kept for benchmarks/heal.py to re-measure
-# (why: docs/benchmarks.md, "Healing")
-RECIPE_ONLY = ("hidden_distill_weight",)
-
 FLAGS = Flags(
     settings=("data", "out", "teacher", "eval_data", "max_tokens", "max_steps", "seq_len", "batch_size", "grad_accum",
               "learning_rate", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio", "full_attention", "full_layers",
               "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.train_norms", "distill_weight",
               "temperature", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",
-              "attn_implementation", "compute_dtype", "mixed_precision", "text_field", "seed", "generated_temperature",
+              "keep_checkpoints_after_run",
+              "attn_implementation", "compute_dtype", "text_field", "seed", "generated_temperature",
               "generated_top_p"),
     arguments=("model",),
     names={"learning_rate": ("--lr",), "lora.train_norms": ("--train-norms",)},

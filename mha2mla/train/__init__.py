@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import importlib
 
+from mha2mla import UserError
 from mha2mla.train.config import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig
 
 _LAZY = {"recover": "mha2mla.train.trainer", "RecoveryRun": "mha2mla.train.run"}
 
-__all__ = ["MLA_LORA_TARGETS", "SOURCE_LORA_TARGETS", "LoraSettings", "RecoverConfig", "RecoveryRun", "recover"]
+__all__ = ["MLA_LORA_TARGETS", "SOURCE_LORA_TARGETS", "LoraSettings", "RecoverConfig", "RecoveryRun", "RunInterrupted",
+           "recover"]
+
+
+class RunInterrupted(UserError):
+    """A recovery run stopped by Ctrl-C (its ``__cause__``: the KeyboardInterrupt): the sentence says what OUT
+    keeps and how to continue. ``exit_code``: the status of an interrupted command (128 + SIGINT)."""
+
+    exit_code = 130
 
 
 def __getattr__(name: str):

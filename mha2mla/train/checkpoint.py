@@ -1,5 +1,7 @@
-"""Resumable checkpoints: ``OUT/step-NNNNNN/`` holds the trainable weights (and the peft adapter),
-optimizer, scheduler, every RNG state and the data position.
+"""Resumable checkpoints: ``OUT/checkpoints/step-NNNNNN/`` holds the trainable weights (and the peft adapter),
+optimizer, scheduler, every RNG state and the data position. They are the run's, not the model's: once the model is
+written they are removed (:func:`remove_checkpoints`) unless asked to stay. A run folder of the earlier layout
+(``OUT/step-NNNNNN/``) still resumes: both places are listed.
 
 A checkpoint is written into a hidden staging folder next to it (mha2mla/io/output.py's names, so the next run
 removes one a killed writer left), every file fsynced, then renamed to ``step-NNNNNN``: a run killed while saving
@@ -31,6 +33,7 @@ from mha2mla.io.output import remove_stale, staging_path, write_errors
 log = logging.getLogger(__name__)
 
 STEP_PATTERN = re.compile(r"^step-(\d{6,})$")
+CHECKPOINTS = "checkpoints"  # OUT's subfolder of resume checkpoints
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -45,19 +48,29 @@ class DamagedCheckpoint(UserError):
 
 
 def step_folder(out: Path, step: int) -> Path:
-    return out / f"step-{step:06d}"
+    return out / CHECKPOINTS / f"step-{step:06d}"
 
 
 def list_checkpoints(out: Path) -> list[Path]:
-    """The checkpoint folders in ``out`` (complete or damaged), oldest first."""
-    if not out.is_dir():
-        return []
+    """The checkpoint folders of the run in ``out`` (complete or damaged), oldest first: ``OUT/checkpoints/step-*``
+    and those of the earlier layout, ``OUT/step-*`` (at the same step, the new layout's comes last: it is newer)."""
     found = []
-    for child in out.iterdir():
-        match = STEP_PATTERN.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    for rank, folder in enumerate((out, out / CHECKPOINTS)):
+        if not folder.is_dir():
+            continue
+        for child in folder.iterdir():
+            match = STEP_PATTERN.match(child.name)
+            if match and child.is_dir():
+                found.append((int(match.group(1)), rank, child))
+    return [path for _, _, path in sorted(found)]
+
+
+def remove_checkpoints(out: Path) -> None:
+    """Remove the run's checkpoints from ``out`` (both layouts), once the model they trained is written there."""
+    for folder in list_checkpoints(out):
+        shutil.rmtree(folder)
+    if (out / CHECKPOINTS).is_dir():
+        shutil.rmtree(out / CHECKPOINTS)
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -65,13 +78,14 @@ def latest_checkpoint(out: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def newest_complete(out: Path, rank: int = 0) -> tuple[Path, dict] | None:
-    """The newest checkpoint in ``out`` whose files all read back, with what it holds; each damaged one newer than
-    it is named in a warning. None when there is no checkpoint; every one damaged is one sentence."""
+def newest_complete(out: Path, rank: int = 0, last_step: int | None = None) -> tuple[Path, dict] | None:
+    """The newest checkpoint in ``out`` whose files all read back (and whose step is at most ``last_step``), with
+    what it holds; each damaged one newer than it is named in a warning. None when there is no checkpoint; every
+    one damaged is one sentence."""
     damaged = []
     for folder in reversed(list_checkpoints(out)):
         try:
-            saved = load_checkpoint(folder, rank)
+            saved = load_checkpoint(folder, rank, last_step)
         except DamagedCheckpoint as error:
             damaged.append(str(error))
             continue
@@ -79,8 +93,8 @@ def newest_complete(out: Path, rank: int = 0) -> tuple[Path, dict] | None:
             log.warning("%s resuming from %s instead.", sentence.removesuffix("."), folder.name)
         return folder, saved
     if damaged:
-        raise UserError(f"every checkpoint in {out} is damaged ({damaged[0]}); remove the step-* folders to start the "
-                        "run again from step 0.")
+        raise UserError(f"every checkpoint in {out} is damaged ({damaged[0]}); remove them (the step-* folders) to "
+                        "start the run again from step 0.")
     return None
 
 
@@ -182,8 +196,8 @@ def save_checkpoint(
     sentence and leaves no staging folder."""
     final = step_folder(out, step)
     with write_errors(final):
-        out.mkdir(parents=True, exist_ok=True)
-        remove_stale(out)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(final.parent)
         staging = staging_path(final)
         try:
             staging.mkdir()
@@ -192,6 +206,8 @@ def save_checkpoint(
             _put_in_place(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            if not any(final.parent.iterdir()):  # the first save failed: no empty checkpoints folder left behind
+                final.parent.rmdir()
             raise
     for old in list_checkpoints(out)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -215,16 +231,21 @@ def _read(folder: Path, name: str, reader):
                                 f"({type(error).__name__}: {_first_line(error)}).") from error
 
 
-def _trainer_state(path: Path) -> dict:
+def _trainer_state(path: Path, last_step: int | None = None) -> dict:
     state = json.loads(path.read_text())
     if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("rows_consumed"), int):
         raise ValueError("it does not hold the step and the data position")
+    if state["step"] < 1 or state["rows_consumed"] < 0:
+        raise ValueError(f"it claims step {state['step']} and {state['rows_consumed']} rows read")
+    if last_step is not None and state["step"] > last_step:  # a checkpoint is never saved at or past the last step
+        raise ValueError(f"it claims step {state['step']} of a {last_step}-step run")
     return state
 
 
-def load_checkpoint(folder: Path, rank: int = 0) -> dict:
-    """Everything a checkpoint holds, as tensors/dicts (weights on CPU); a missing or unreadable file is a
-    :class:`DamagedCheckpoint` naming it. Nothing is unpickled (``weights_only``)."""
+def load_checkpoint(folder: Path, rank: int = 0, last_step: int | None = None) -> dict:
+    """Everything a checkpoint holds, as tensors/dicts (weights on CPU); a missing or unreadable file, or a trainer
+    state past ``last_step`` (the run's settings), is a :class:`DamagedCheckpoint` naming it. Nothing is unpickled
+    (``weights_only``)."""
     folder = Path(folder)
     if not (folder / f"rng_state_{rank}.pt").is_file() and (folder / "rng_state_0.pt").is_file():
         raise UserError(f"{folder} was written by a run with fewer processes; resume with the same number of processes.")
@@ -235,7 +256,7 @@ def load_checkpoint(folder: Path, rank: int = 0) -> dict:
             return torch.load(path, map_location="cpu", weights_only=True)
 
     return {
-        "state": _read(folder, STATE_FILE, _trainer_state),
+        "state": _read(folder, STATE_FILE, lambda path: _trainer_state(path, last_step)),
         "trainable": _read(folder, TRAINABLE_FILE, lambda path: load_safetensors(path.read_bytes())),
         "optimizer": _read(folder, OPTIMIZER_FILE, torch_file),
         "scheduler": _read(folder, SCHEDULER_FILE, torch_file),

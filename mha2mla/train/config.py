@@ -6,7 +6,6 @@ docs/recover.md), its options and help generated from these fields (mha2mla/cli/
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Literal
 
@@ -15,10 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MLA_LORA_TARGETS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 SOURCE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the same budget on an MHA/GQA model
 TRAINABLE_NORMS = ("kv_a_layernorm",)
-# the settings of the retired ``mixed_precision`` key as compute dtypes (old recipes and scripts keep working)
+# the settings of the retired ``mixed_precision`` key as compute dtypes: a run saved with it resumes (resume.py)
 LEGACY_MIXED_PRECISION = {"auto": "auto", "no": "float32", "bf16": "bfloat16"}
-
-log = logging.getLogger(__name__)
 
 
 class LoraSettings(BaseModel):
@@ -50,7 +47,8 @@ class RecoverConfig(BaseModel):
     model: str = Field(description="converted DeepSeek-V3 MLA folder (output of `mha2mla convert`)")
     data: list[str] | None = Field(None, description="training text: .txt/.jsonl/.parquet file, a folder of them, or a "
                                    "Hugging Face dataset id (name or name@split); none: text the --teacher generates")
-    out: str = Field(description="output folder: checkpoints during the run, the recovered model at the end")
+    out: str = Field(description="output folder: checkpoints (OUT/checkpoints) during the run, the recovered model at "
+                     "the end")
     teacher: str | None = Field(None, description="source model (HF folder or .gguf) to distil from")
     eval_data: list[str] | None = Field(None, description="held-out text for perplexity (default: rows held out of the data)")
 
@@ -85,10 +83,6 @@ class RecoverConfig(BaseModel):
     # distillation
     distill_weight: float = Field(0.5, ge=0, le=1, description="weight of the KL term; 1 - weight goes to the LM loss")
     temperature: float = Field(1.0, gt=0, description="distillation temperature")
-    # not a command-line flag: at weight 1.0 it healed less than the KL alone at equal tokens (docs/benchmarks.md,
-    # "Healing"); kept for benchmarks/heal.py to re-measure other weights (it passes it in a recipe)
-    hidden_distill_weight: float = Field(0.0, ge=0, description="weight of the layer-wise hidden-state distillation "
-                                         "term (each layer's residual stream against the teacher's), added to the loss")
 
     # runtime
     attn_implementation: Literal["sdpa", "eager", "mha2mla_triton", "auto"] = Field(
@@ -98,11 +92,11 @@ class RecoverConfig(BaseModel):
         "auto", description="what the forwards and backwards compute in: bfloat16 (autocast over float32 trainable and "
         "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, float32 on a CPU "
         "(where bf16 recovery has not been measured within 2% of float32: docs/benchmarks.md)")
-    mixed_precision: Literal["auto", "no", "bf16"] | None = Field(
-        None, exclude=True, description="deprecated, read as --compute-dtype (no: float32, bf16: bfloat16, auto: auto)")
     eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: start and end only)")
     save_every: int = Field(50, ge=0, description="steps between checkpoints (0: none)")
-    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept")
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept in OUT/checkpoints while the run trains")
+    keep_checkpoints_after_run: bool = Field(False, description="leave OUT/checkpoints in place once the model is "
+                                             "written (no: removed then, so the finished OUT is the model)")
 
     @field_validator("data", "eval_data", mode="before")
     @classmethod
@@ -111,34 +105,12 @@ class RecoverConfig(BaseModel):
         none."""
         return [value] if isinstance(value, str) else (value or None)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_mixed_precision(cls, data):
-        """A ``mixed_precision`` setting (the retired key) becomes ``compute_dtype``, with a deprecation line; one
-        that contradicts a ``compute_dtype`` given beside it is refused. A value it never took is left to the
-        field's own check, which lists the values."""
-        if not isinstance(data, dict):
-            return data
-        old = "no" if data.get("mixed_precision") is False else data.get("mixed_precision")  # YAML reads a bare no as false
-        if old not in LEGACY_MIXED_PRECISION:
-            return data
-        data = {key: value for key, value in data.items() if key != "mixed_precision"}
-        new = LEGACY_MIXED_PRECISION[old]
-        if data.get("compute_dtype", new) != new:
-            raise ValueError(f"mixed_precision {old!r} (deprecated) contradicts compute_dtype {data['compute_dtype']!r}; "
-                             "give compute_dtype only")
-        log.warning("mixed_precision %s is deprecated; read as compute_dtype %s (set compute_dtype / --compute-dtype "
-                    "instead).", old, new)
-        return {**data, "compute_dtype": new}
-
     @model_validator(mode="after")
     def _check(self) -> RecoverConfig:
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("give --max-steps or --max-tokens (max_steps or max_tokens in a recipe)")
         if not self.data and self.teacher is None:
             raise ValueError("give --data, or --teacher to distil on text the teacher generates")
-        if self.hidden_distill_weight > 0 and self.teacher is None:
-            raise ValueError("hidden_distill_weight needs a teacher (--teacher) to distil from")
         return self
 
     @property
@@ -159,7 +131,7 @@ class RecoverConfig(BaseModel):
 
     def outcome_fields(self) -> dict:
         """Fields that must match between a run and its resumption (everything but runtime conveniences)."""
-        skip = {"out", "eval_every", "save_every", "keep_checkpoints"}
+        skip = {"out", "eval_every", "save_every", "keep_checkpoints", "keep_checkpoints_after_run"}
         return {key: value for key, value in self.model_dump(mode="json").items() if key not in skip}
 
     @property

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import logging
 
+from mha2mla.io.model_folder import RECOVER_CONFIG
 from mha2mla.io.output import remove_stale, write_errors
-from mha2mla.train.merge import RECOVER_CONFIG
 from mha2mla.train.resume import logged_until
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def record_step(run, result: dict[str, float], elapsed: float) -> None:
     state["losses"].append(result["loss"])
     record = {"step": state["step"], "tokens": state["tokens_trained"], "loss": result["loss"],
               "lm_loss": result["lm_loss"], "lr": result["lr"], "tokens_per_second": tokens / elapsed}
-    record.update({key: result[key] for key in ("distill_loss", "hidden_loss") if key in result})
+    record.update({key: result[key] for key in ("distill_loss",) if key in result})
     write_log(run, record)
     run._progress.update(1)
     perplexity = f" | ppl {state['evaluations'][-1]['perplexity']:.2f}" if state["evaluations"] else ""

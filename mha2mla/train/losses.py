@@ -1,6 +1,5 @@
 """Training losses on packed rows (segment starts are never targets): next-token loss and logit distillation,
-computed together in one pass over the logits (``logit_losses``), and intermediate-state (residual stream)
-distillation. Held-out perplexity goes through mha2mla.evaluation.perplexity.batch_nll, the project's one
+computed together in one pass over the logits (``logit_losses``). Held-out perplexity goes through mha2mla.evaluation.perplexity.batch_nll, the project's one
 perplexity sum."""
 
 from __future__ import annotations
@@ -82,14 +81,3 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -
     """Mean next-token cross-entropy (``logit_losses`` with the LM term only)."""
     return logit_losses(logits, None, input_ids, mask)[0]
 
-
-def hidden_state_loss(student_states, teacher_states) -> torch.Tensor:
-    """Layer-wise distillation of the residual stream: for every layer's output (the embeddings excluded: they are
-    the same weights), the mean squared difference between the student's and the teacher's hidden states divided by
-    the mean square of the teacher's (so every layer weighs the same whatever its scale), averaged over layers.
-    ``*_states``: tuples of (B, L, H) from ``output_hidden_states=True`` (docs/recover.md, "Objectives")."""
-    if len(student_states) != len(teacher_states):
-        raise ValueError(f"the student has {len(student_states) - 1} layers and the teacher {len(teacher_states) - 1}")
-    losses = [(student.float() - teacher.float()).pow(2).mean() / teacher.float().pow(2).mean().clamp(min=1e-12)
-              for student, teacher in zip(student_states[1:], teacher_states[1:])]
-    return torch.stack(losses).mean()

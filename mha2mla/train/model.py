@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -154,7 +155,11 @@ def make_trainable(model: nn.Module, lora: LoraSettings | None, layers: bool = F
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, adapter)
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model, a FutureWarning
+        # on every run that is neither ours nor the user's to act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, adapter)
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import RECOVER_CONFIG, RECOVERY_REPORT
 from mha2mla.train import checkpoint as ckpt
 from mha2mla.train.config import LEGACY_MIXED_PRECISION, RecoverConfig, flat_settings
-from mha2mla.train.merge import RECOVER_CONFIG, RECOVERY_REPORT
 
 
 def _check_run_folder(out: Path) -> None:
@@ -36,9 +36,9 @@ def resume_point(config: RecoverConfig, resume: str | None) -> Path | None:
             raise UserError(f"{out} holds an unfinished run without checkpoints; choose another --out, or pass "
                             "--resume auto to restart the run there.")
         return None
+    if finished:  # checked before anything trains, whichever checkpoint is named
+        raise UserError(f"the run in {out} has already finished; choose another --out.")
     if resume == "auto":
-        if finished:
-            raise UserError(f"the run in {out} has already finished; choose another --out.")
         return ckpt.latest_checkpoint(out)
     path = Path(resume).expanduser()
     if not path.is_dir() or not ckpt.STEP_PATTERN.match(path.resolve().name):
@@ -46,17 +46,20 @@ def resume_point(config: RecoverConfig, resume: str | None) -> Path | None:
     return path
 
 
-def restore_point(config: RecoverConfig, resume: str | None, rank: int = 0) -> tuple[Path | None, dict | None]:
+def restore_point(config: RecoverConfig, resume: str | None, rank: int = 0,
+                  world: int = 1) -> tuple[Path | None, dict | None]:
     """The checkpoint a run continues from and what it holds, every file read back: ``--resume auto`` takes the
-    newest complete checkpoint (saying which damaged ones it passed over), a named checkpoint must be complete."""
+    newest complete checkpoint (saying which damaged ones it passed over), a named checkpoint must be complete. A
+    checkpoint past the run's last step (``world`` processes) counts as damaged."""
     chosen = resume_point(config, resume)
     if chosen is None:
         return None, None
+    last_step = config.total_steps(world)
     if resume == "auto":
-        found = ckpt.newest_complete(config.out_path, rank)
+        found = ckpt.newest_complete(config.out_path, rank, last_step)
         return found if found is not None else (None, None)
     try:
-        return chosen, ckpt.load_checkpoint(chosen, rank)
+        return chosen, ckpt.load_checkpoint(chosen, rank, last_step)
     except ckpt.DamagedCheckpoint as error:
         raise UserError(f"{str(error).removesuffix('.')}; resume from an earlier checkpoint, or use --resume auto "
                         "to take the newest complete one.") from None
@@ -80,6 +83,18 @@ def check_same_run(config: RecoverConfig, folder: Path) -> None:
     changed = sorted(key for key in current if saved.get(key, defaults.get(key)) != current[key])
     if changed:
         raise UserError(f"cannot resume: settings differ from the interrupted run ({', '.join(changed)}); use the same options.")
+
+
+def interrupted_sentence(out: Path) -> str:
+    """What an interrupted run leaves in ``out`` and how to go on, as one sentence."""
+    checkpoints = ckpt.list_checkpoints(out)
+    if checkpoints:
+        return (f"interrupted; the checkpoints in {checkpoints[-1].parent} are kept: run the same command with "
+                "--resume auto to continue from the newest.")
+    if out.is_dir() and (out / RECOVER_CONFIG).is_file() and not (out / "config.json").is_file():
+        return (f"interrupted before the first checkpoint; {out} holds only the run's settings and log: run the same "
+                "command with --resume auto to start it again, or remove it.")
+    return "interrupted; the run had not written to --out yet: run the command again."
 
 
 def logged_until(log_path: Path, step: int) -> list[str]:

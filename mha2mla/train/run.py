@@ -42,7 +42,7 @@ from mha2mla.train.distributed import (
 from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.generated import prepare_rows
 from mha2mla.train.log import evaluate_and_log, open_run_folder, record_step
-from mha2mla.train.losses import hidden_state_loss, lm_loss, logit_losses
+from mha2mla.train.losses import lm_loss, logit_losses
 from mha2mla.train.merge import check_out_folder, gathered_model, recovery_report, write_recovered
 from mha2mla.train.model import (
     check_teacher_matches,
@@ -100,7 +100,7 @@ class RecoveryRun:
         if resume_point(config, self.resume) is not None:
             check_same_run(config, config.out_path)
         self.start_accelerator()
-        self.resume_from, self._saved = restore_point(config, self.resume, self.rank)
+        self.resume_from, self._saved = restore_point(config, self.resume, self.rank, self.world)
         self.tokenizer = load_tokenizer(config.model)
         teacher = None
         if config.teacher is not None:  # before the data: without --data the teacher writes it (generated.py)
@@ -167,23 +167,21 @@ class RecoveryRun:
         """Packed rows one optimizer step consumes over all processes."""
         return self.config.batch_size * self.config.grad_accum * self.world
 
-    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss to minimise, LM loss, logit distillation loss, hidden-state distillation loss) of one micro-batch
-        already on the device: ``(1 - w) LM + w KL + h hidden`` (w ``distill_weight``, h ``hidden_distill_weight``)."""
-        config, zero = self.config, torch.zeros(())
-        mask, hidden = target_mask(batch["position_ids"]), config.hidden_distill_weight > 0
+    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss to minimise, LM loss, logit distillation loss) of one micro-batch already on the device:
+        ``(1 - w) LM + w KL`` (w ``distill_weight``)."""
+        config = self.config
+        mask = target_mask(batch["position_ids"])
         with self.accelerator.autocast():
-            output = self.model(**batch, use_cache=False, output_hidden_states=hidden)
+            output = self.model(**batch, use_cache=False)
             if self.teacher is None:
                 language = lm_loss(output.logits, batch["input_ids"], mask)
-                return language, language, zero, zero
+                return language, language, torch.zeros(())
             with torch.no_grad():
-                teacher = self.teacher(**batch, use_cache=False, output_hidden_states=hidden)
+                teacher = self.teacher(**batch, use_cache=False)
             weight = config.distill_weight
-            loss, language, distill = logit_losses(output.logits, teacher.logits, batch["input_ids"], mask,
-                                                   1 - weight, weight, config.temperature)
-            states = hidden_state_loss(output.hidden_states, teacher.hidden_states) if hidden else zero
-            return loss + config.hidden_distill_weight * states, language, distill, states
+            return logit_losses(output.logits, teacher.logits, batch["input_ids"], mask, 1 - weight, weight,
+                                config.temperature)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this process's rows of the step: ``batch`` holds (grad_accum x B, L) tensors,
@@ -196,7 +194,7 @@ class RecoveryRun:
         if batch["input_ids"].shape[0] % count:
             raise ValueError(f"a step's batch of {batch['input_ids'].shape[0]} rows does not split into {count} micro-batches")
         micro_batches = [dict(zip(batch, parts)) for parts in zip(*(value.chunk(count) for value in batch.values()))]
-        parts = torch.zeros(4, dtype=torch.float64)  # loss, lm, distillation, hidden-state losses (summed over micro-batches)
+        parts = torch.zeros(3, dtype=torch.float64)  # loss, lm and distillation losses (summed over micro-batches)
         for index, micro in enumerate(micro_batches):
             micro = {key: value.to(accelerator.device) for key, value in micro.items()}
             last = index == count - 1
@@ -215,8 +213,6 @@ class RecoveryRun:
         result = {"loss": float(parts[0]), "lm_loss": float(parts[1]), "lr": self.scheduler.get_last_lr()[0]}
         if self.teacher is not None:
             result["distill_loss"] = float(parts[2])
-        if config.hidden_distill_weight > 0:
-            result["hidden_loss"] = float(parts[3])
         return result
 
     def next_batch(self) -> dict[str, torch.Tensor]:
@@ -235,7 +231,7 @@ class RecoveryRun:
         return packed_perplexity(self.model, self.held_out, self.config.batch_size, self.accelerator)
 
     def save_checkpoint(self, step: int) -> None:
-        """``OUT/step-NNNNNN/``: trainable weights (+ the peft adapter), optimizer, scheduler, the trainer state and
+        """``OUT/checkpoints/step-NNNNNN/``: trainable weights (+ the peft adapter), optimizer, scheduler, the trainer state and
         every process's RNG state; gathered from every process under FSDP, written by the main process."""
         config, accelerator = self.config, self.accelerator
         trainable = gathered_trainable(self.model, accelerator)
@@ -276,13 +272,16 @@ class RecoveryRun:
     # ------------------------------------------------------------------------------------------ the end
 
     def export(self, report: dict) -> None:
-        """Merge the adapter and write the native DeepSeek-V3 checkpoint to OUT (main process; the others wait)."""
+        """Merge the adapter and write the native DeepSeek-V3 checkpoint to OUT (main process; the others wait), then
+        remove the resume checkpoints unless ``keep_checkpoints_after_run``: the finished OUT is the model."""
         accelerator, config = self.accelerator, self.config
         accelerator.wait_for_everyone()
         model = gathered_model(self) if is_sharded(accelerator) else accelerator.unwrap_model(self.model)
         if self.is_main:
             settings = config.model_dump(mode="json")
             write_recovered(model, self.tokenizer, Path(config.model), config.out_path, settings, report)
+            if not config.keep_checkpoints_after_run:
+                ckpt.remove_checkpoints(config.out_path)
         accelerator.wait_for_everyone()
 
     def cleanup(self) -> None:

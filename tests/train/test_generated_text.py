@@ -111,10 +111,11 @@ def test_recovery_without_data_trains_on_the_teachers_text_and_reuses_it(tiny_ml
 def test_a_resumed_run_without_data_reads_the_same_text(tiny_mla, teacher_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
-    config = _config(tiny_mla, teacher_folder, out, max_steps=6, save_every=3, eval_sequences=0)
+    config = _config(tiny_mla, teacher_folder, out, max_steps=6, save_every=3, eval_sequences=0,
+                     keep_checkpoints_after_run=True)
     report = recover(config, show_progress=False)
     for path in out.iterdir():  # leave what a run killed after its step-3 checkpoint leaves
-        if path.name not in ("step-000003", "recover_config.json", "train_log.jsonl"):
+        if path.name not in ("checkpoints", "recover_config.json", "train_log.jsonl"):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     resumed = recover(config, resume="auto", show_progress=False)
     assert resumed["resumed_from"] is not None and resumed["steps"] == 6

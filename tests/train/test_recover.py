@@ -20,9 +20,8 @@ from common import SAMPLE_TEXT, build_source
 from transformers import AutoModelForCausalLM
 
 from mha2mla.recipes import build_settings
-from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, recover
+from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, losses, recover
 from mha2mla.train.data import RowOrder, pack_token_lists, prepare_data, target_mask
-from mha2mla.train import losses
 from mha2mla.train.merge import write_recovered
 from mha2mla.train.model import load_student, load_tokenizer, make_trainable
 from mha2mla.train.run import RecoveryRun
@@ -188,8 +187,9 @@ def test_short_run_lowers_loss_and_writes_a_native_checkpoint(tiny_mla, corpus, 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["q_lora_rank"] is None
     for name in ("model.safetensors", "absorbed.safetensors", "absorbed.json", "tokenizer.json",
-                 "conversion_report.json", "recovery_report.json", "step-000020"):
+                 "conversion_report.json", "recovery_report.json", "train_log.jsonl", "recover_config.json"):
         assert (out / name).exists(), name
+    assert not (out / "checkpoints").exists()  # the finished OUT is the model: its resume checkpoints are removed
     assert "## Recovery fine-tuning" in (out / "README.md").read_text()
     assert not list(tmp_path.glob(".recovered.mha2mla-*"))
     loaded = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no remote code
@@ -317,7 +317,7 @@ def test_sigkill_then_resume_auto_ends_at_the_same_loss(tiny_mla, corpus, tmp_pa
     killed = tmp_path / "killed"
     process = subprocess.Popen(_cli(str(tiny_mla), "--out", str(killed), *common), env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (killed / "step-000020").exists() and process.poll() is None:
+    while not (killed / "checkpoints" / "step-000020").exists() and process.poll() is None:
         time.sleep(0.005)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -342,7 +342,8 @@ def test_sigkill_then_resume_auto_ends_at_the_same_loss(tiny_mla, corpus, tmp_pa
 
 def test_resume_with_different_settings_is_refused(tiny_mla, corpus, tmp_path):
     out = tmp_path / "run"
-    recover(_config(tiny_mla, corpus, out, max_steps=4, save_every=2, eval_every=0), show_progress=False)
+    recover(_config(tiny_mla, corpus, out, max_steps=4, save_every=2, eval_every=0, keep_checkpoints_after_run=True),
+            show_progress=False)
     (out / "config.json").unlink()  # pretend the run stopped before writing the model
     from mha2mla import UserError
 
@@ -356,7 +357,8 @@ def test_ddp_on_two_cpu_processes(tiny_mla, corpus, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "mha2mla.cli.main", "recover", str(tiny_mla), "--data", str(corpus), "--out", str(out),
                "--max-steps", "6", "--seq-len", "32", "--batch-size", "2", "--grad-accum", "2", "--lr", "1e-2",
-               "--lora-rank", "4", "--eval-sequences", "2", "--eval-every", "3", "--save-every", "3", "--no-progress"]
+               "--lora-rank", "4", "--eval-sequences", "2", "--eval-every", "3", "--save-every", "3", "--no-progress",
+               "--keep-checkpoints-after-run"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "recovery_report.json").read_text())
@@ -364,7 +366,7 @@ def test_ddp_on_two_cpu_processes(tiny_mla, corpus, tmp_path):
     assert report["tokens_trained"] == 6 * 2 * 2 * 2 * 32  # steps x batch x accumulation x processes x seq_len
     assert [e["step"] for e in report["evaluations"]] == [0, 3, 6]
     assert report["evaluations"][-1]["perplexity"] < report["evaluations"][0]["perplexity"]
-    assert {"rng_state_0.pt", "rng_state_1.pt"} <= {p.name for p in (out / "step-000003").iterdir()}
+    assert {"rng_state_0.pt", "rng_state_1.pt"} <= {p.name for p in (out / "checkpoints" / "step-000003").iterdir()}
     assert result.stdout.count("recovered model written") == 1
 
 
@@ -396,10 +398,10 @@ def test_recipe_recover_section_with_flags_over_it(tiny_mla, corpus, tmp_path, m
         ("  lora:\n    rnak: 4\n", [], "has an unknown recover setting 'lora.rnak'"),
         ("  schedule: cosin\n", [], "`schedule` under `recover:` in"),
         ("", ["--schedule", "cosin"], "--schedule must be one of 'cosine', 'linear' or 'constant', not 'cosin'."),
-        ("", ["--mixed-precision", "fp16"], "--mixed-precision must be one of 'auto', 'no' or 'bf16'"),
+        ("", ["--mixed-precision", "bf16"], "No such option: --mixed-precision"),  # the retired flag is gone
+        ("  mixed_precision: bf16\n", [], "has an unknown recover setting 'mixed_precision'"),  # retired key
+        ("  hidden_distill_weight: 1.0\n", [], "has an unknown recover setting 'hidden_distill_weight'"),  # removed
         ("", ["--compute-dtype", "float16"], "--compute-dtype must be one of 'auto', 'float32' or 'bfloat16'"),
-        ("  mixed_precision: bf16\n", ["--compute-dtype", "float32"], "mixed_precision 'bf16' (deprecated) contradicts "
-         "compute_dtype 'float32'; give compute_dtype only."),
         ("", ["--lora-rank", "0"], "invalid --lora-rank: input should be greater than or equal to 1."),
         ("", None, "give --out (or `out:` under `recover:` in a --recipe)."),  # None: no --out either
     ],

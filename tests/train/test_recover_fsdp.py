@@ -32,7 +32,7 @@ FSDP_ENV = {
 # the same curve); 5 held-out rows, so two processes score 3 and 2 rows.
 SETTINGS = ["--max-steps", "40", "--seq-len", "32", "--grad-accum", "2", "--lr", "2e-3", "--warmup-steps", "3",
             "--lora-rank", "4", "--eval-sequences", "5", "--eval-every", "10", "--save-every", "10",
-            "--compute-dtype", "float32", "--no-progress"]
+            "--compute-dtype", "float32", "--no-progress", "--keep-checkpoints-after-run"]  # compared after the runs
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def _kill_after_checkpoint(command: list[str], env: dict[str, str], out: Path, s
     """Start the FSDP run and SIGKILL all of it, the launcher and then every worker, once the checkpoint of
     ``step`` is complete."""
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (out / f"step-{step:06d}").exists() and process.poll() is None:
+    while not (out / "checkpoints" / f"step-{step:06d}").exists() and process.poll() is None:
         time.sleep(0.005)
     workers = _children(process.pid)
     process.send_signal(signal.SIGKILL)
@@ -127,7 +127,7 @@ def check_fsdp_run(model: Path, corpus: Path, tmp_path: Path, device: str, curve
     torch.testing.assert_close(torch.tensor(perplexities[1]), torch.tensor(perplexities[0]), rtol=curve_rtol, atol=0)
 
     # the same checkpoint folder: full trainable tensors by name, the optimizer state by parameter index
-    ckpt_one, ckpt_two = single / "step-000020", fsdp / "step-000020"
+    ckpt_one, ckpt_two = single / "checkpoints" / "step-000020", fsdp / "checkpoints" / "step-000020"
     assert {p.name for p in ckpt_two.iterdir()} == {p.name for p in ckpt_one.iterdir()} | {
         f"rng_state_{rank}.pt" for rank in range(processes)}
     weights_one, weights_two = load_file(str(ckpt_one / "trainable.safetensors")), load_file(str(ckpt_two / "trainable.safetensors"))

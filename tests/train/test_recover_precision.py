@@ -1,12 +1,11 @@
 """The compute dtype of `mha2mla recover` (docs/recover.md, "Compute dtype"): decided once per run from
 ``compute_dtype`` and the device; bfloat16 is bf16 autocast over float32 weights (the trainable ones are AdamW's
-master weights) on CPU as on GPU, float32 is no autocast; the merged output keeps the model's dtype; the retired
-``mixed_precision`` key is read as ``compute_dtype`` with a deprecation line."""
+master weights) on CPU as on GPU, float32 is no autocast; the merged output keeps the model's dtype; a run saved with the retired
+``mixed_precision`` key resumes under the ``compute_dtype`` it meant."""
 
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from common import SAMPLE_TEXT
 from safetensors.torch import load_file
 
 import mha2mla.compute
-from mha2mla.recipes import build_settings
 from mha2mla.train import RecoverConfig, recover
 from mha2mla.train.data import pack_token_lists
 from mha2mla.train.model import load_student, make_trainable
@@ -92,21 +90,10 @@ def test_bf16_recovery_lowers_the_loss_and_keeps_the_output_dtype(tiny_mla, corp
     assert settings["compute_dtype"] == "bfloat16" and "mixed_precision" not in settings
 
 
-@pytest.mark.parametrize("old, new", [("no", "float32"), ("bf16", "bfloat16"), ("auto", "auto")])
-def test_mixed_precision_in_a_recipe_is_read_as_compute_dtype(tmp_path, caplog, old, new):
-    recipe = tmp_path / "old.yaml"
-    recipe.write_text(f"recover:\n  data: corpus.txt\n  max_steps: 2\n  mixed_precision: {old}\n")
-    with caplog.at_level(logging.WARNING):
-        config = build_settings("recover", recipe, {"model": "m", "out": "o"})
-    assert config.compute_dtype == new and config.mixed_precision is None
-    assert "mixed_precision" not in config.model_dump()
-    assert f"mixed_precision {old} is deprecated; read as compute_dtype {new}" in caplog.text
-
-
 def test_a_run_saved_with_mixed_precision_resumes_under_compute_dtype(tmp_path):
     """A run started before compute_dtype existed recorded ``mixed_precision``: resuming it compares the mapped value."""
     from mha2mla import UserError
-    from mha2mla.train.merge import RECOVER_CONFIG
+    from mha2mla.io.model_folder import RECOVER_CONFIG
     from mha2mla.train.resume import check_same_run
 
     config = RecoverConfig(model="m", data=["d"], out=str(tmp_path), max_steps=2, compute_dtype="float32")
