@@ -41,6 +41,7 @@ from mha2mla.convert.steps.records import LayerStatistics, LayerWork
 from mha2mla.devices import check_device
 from mha2mla.families import family_for_config
 from mha2mla.io.card import write_model_card
+from mha2mla.io.model_folder import CONVERSION_REPORT
 from mha2mla.io.output import check_destination, check_replaceable, staged_output
 from mha2mla.io.source import open_source
 from mha2mla.io.writer import ShardedWriter
@@ -52,7 +53,6 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
-REPORT_FILE = "conversion_report.json"
 
 @dataclass
 class ConversionResult:
@@ -134,7 +134,7 @@ def convert(
         )
         if stream is not None and stream.device.type == "cuda":
             report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(stream.device) / 1024**3, 3)
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / CONVERSION_REPORT).write_text(json.dumps(report, indent=2) + "\n")
         write_model_card(tmp, report, serving_sections(report["plan"]))
     return ConversionResult(out=out, plan=plan, report=report)
 

@@ -1,4 +1,5 @@
-"""The README.md model card written into every output folder: source, method, budget, the command.
+"""The README.md model card written into every output folder, the one card writer: a conversion's (source, method,
+budget, the command) and a recovery's (the input's card with a section on the run appended).
 
 The YAML header carries ``base_model`` and ``license`` when the source tells them (a hub id, a hub cache folder, a
 model card's own header, a GGUF file's metadata); the title and the source line name the model, never a local path.
@@ -6,6 +7,7 @@ model card's own header, a GGUF file's metadata); the title and the source line 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -135,3 +137,27 @@ def write_model_card(folder: str | Path, report: dict, extra_sections: list[str]
     for section in extra_sections or []:
         lines += [section, ""]
     (Path(folder) / "README.md").write_text("\n".join(lines))
+
+
+def write_recovery_card(folder: Path, source_folder: Path, settings: dict, report: dict) -> None:
+    """``folder``'s card: the input's model card (if any) with a section on this recovery run appended."""
+    source_card = Path(source_folder) / "README.md"
+    default_card = "---\nlibrary_name: transformers\ntags: [mha2mla, mla, deepseek_v3]\n---\n\n# MLA model recovered with mha2mla\n\n"
+    card = source_card.read_text(encoding="utf-8").rstrip() + "\n\n" if source_card.is_file() else default_card
+    evaluations = report.get("evaluations") or []
+    lines = [
+        "## Recovery fine-tuning (`mha2mla recover`)",
+        "",
+        (
+            f"Recovered from `{settings['model']}` on {report['tokens_trained']:,} training tokens "
+            f"({report['steps']} optimizer steps, {report['seconds']:.0f} s, {report['tokens_per_second']:.0f} tokens/s)."
+        ),
+        "",
+        "| held-out perplexity | value |",
+        "|---|---|",
+    ]
+    if evaluations:
+        lines.append(f"| before recovery (step {evaluations[0]['step']}) | {evaluations[0]['perplexity']:.3f} |")
+        lines.append(f"| after recovery (step {evaluations[-1]['step']}) | {evaluations[-1]['perplexity']:.3f} |")
+    lines += ["", "Settings:", "", "```json", json.dumps(settings, indent=2), "```", ""]
+    (Path(folder) / "README.md").write_text(card + "\n".join(lines), encoding="utf-8")

@@ -2,7 +2,8 @@
 
 OUT is written as every mha2mla output folder is (mha2mla/io/output.py): into a hidden sibling named with the PID,
 the run folder's checkpoints and logs moved into it, then swapped in for OUT, so an error never leaves a half-written
-model in OUT and never loses the run's checkpoints. ``recovery_report.json`` marks the result as mha2mla's."""
+model in OUT and never loses the run's checkpoints. ``recovery_report.json`` marks the result as mha2mla's; the model
+card is written by mha2mla/io/card.py, the one card writer."""
 
 from __future__ import annotations
 
@@ -13,14 +14,12 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
+from mha2mla.io.card import write_recovery_card
+from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVERY_REPORT
 from mha2mla.io.output import check_destination, staged_output
 from mha2mla.modeling.absorbed import write_absorbed
 from mha2mla.train.distributed import gathered_trainable
 from mha2mla.train.model import load_student, load_trainable_state, make_trainable
-
-CONVERSION_REPORT = "conversion_report.json"
-RECOVERY_REPORT = "recovery_report.json"
-RECOVER_CONFIG = "recover_config.json"
 
 
 def merged_model(model):
@@ -35,30 +34,6 @@ def stored_dtype(model_folder: Path) -> torch.dtype:
     config = json.loads((Path(model_folder) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
-
-
-def model_card(source_folder: Path, settings: dict, report: dict) -> str:
-    """The input's model card (if any) with a section on this recovery run appended."""
-    source_card = Path(source_folder) / "README.md"
-    default_card = "---\nlibrary_name: transformers\ntags: [mha2mla, mla, deepseek_v3]\n---\n\n# MLA model recovered with mha2mla\n\n"
-    card = source_card.read_text(encoding="utf-8").rstrip() + "\n\n" if source_card.is_file() else default_card
-    evaluations = report.get("evaluations") or []
-    lines = [
-        "## Recovery fine-tuning (`mha2mla recover`)",
-        "",
-        (
-            f"Recovered from `{settings['model']}` on {report['tokens_trained']:,} training tokens "
-            f"({report['steps']} optimizer steps, {report['seconds']:.0f} s, {report['tokens_per_second']:.0f} tokens/s)."
-        ),
-        "",
-        "| held-out perplexity | value |",
-        "|---|---|",
-    ]
-    if evaluations:
-        lines.append(f"| before recovery (step {evaluations[0]['step']}) | {evaluations[0]['perplexity']:.3f} |")
-        lines.append(f"| after recovery (step {evaluations[-1]['step']}) | {evaluations[-1]['perplexity']:.3f} |")
-    lines += ["", "Settings:", "", "```json", json.dumps(settings, indent=2), "```", ""]
-    return card + "\n".join(lines)
 
 
 def check_out_folder(config) -> None:
@@ -107,7 +82,7 @@ def write_recovered(
         if (source_folder / CONVERSION_REPORT).is_file():
             shutil.copy2(source_folder / CONVERSION_REPORT, staging / CONVERSION_REPORT)
         (staging / RECOVERY_REPORT).write_text(json.dumps({"settings": settings, **report}, indent=2) + "\n")
-        (staging / "README.md").write_text(model_card(source_folder, settings, report), encoding="utf-8")
+        write_recovery_card(staging, source_folder, settings, report)
     return out
 
 
