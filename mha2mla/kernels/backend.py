@@ -96,8 +96,10 @@ def decode_attention_backend(device: str | torch.device, choice: str = "auto") -
     return "triton"
 
 
+@functools.cache
 def multiprocessor_count(device: torch.device) -> int | None:
-    """The GPU's streaming multiprocessors (132 on an H200), what grids are sized to fill; None off CUDA."""
+    """The GPU's streaming multiprocessors (132 on an H200), what grids are sized to fill; None off CUDA. Cached:
+    the decode asks on every step."""
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).multi_processor_count

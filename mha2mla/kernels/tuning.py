@@ -150,19 +150,25 @@ def decode_num_splits(batch: int, head_groups: int, max_len: int, block_n: int, 
     multiprocessor, and a wave lasts as long as its longest program, ``ceil(tiles / splits) + overhead_tiles``
     (loading the queries, writing the partial result). The split count with the least ``waves x that`` wins;
     ties go to fewer splits (less to merge). Never more splits than cache tiles, nor more than ``max_waves`` waves.
-    ``multiprocessors`` None (CPU / interpreter): at most 2 splits, to exercise the merge."""
+    ``multiprocessors`` None (CPU / interpreter): at most 2 splits, to exercise the merge.
+
+    Called on every decode step, so it tries only the candidates that can win: within one wave count the cost
+    falls as splits grow, so the most splits that still fit each wave count, brought down to the fewest splits
+    with the same tiles per split (at most ``max_waves + 1`` candidates)."""
     tiles = max(1, -(-max_len // block_n))
     if multiprocessors is None:
         return min(2, tiles)
     programs = max(1, batch * head_groups)
-    most = max(1, min(tiles, -(-max_waves * multiprocessors // programs)))
-    best, best_cost = 1, math.inf
-    for splits in range(1, most + 1):
-        waves = -(-programs * splits // multiprocessors)
-        cost = waves * (-(-tiles // splits) + overhead_tiles)
-        if cost < best_cost - 1e-9:
-            best, best_cost = splits, cost
-    return best
+    best = (math.inf, 1)
+    for waves in range(0, max_waves + 1):  # 0 stands for a single split
+        splits = 1 if waves == 0 else min(tiles, waves * multiprocessors // programs)
+        if splits < 1:
+            continue
+        per_split = -(-tiles // splits)
+        splits = -(-tiles // per_split)  # the fewest splits with this many tiles each
+        cost = -(-programs * splits // multiprocessors) * (per_split + overhead_tiles)
+        best = min(best, (cost, splits))
+    return best[1]
 
 
 def decode_blocks(num_heads: int, rank: int, interpreting: bool) -> tuple[int, int, int]:

@@ -85,6 +85,26 @@ def test_decode_splits_fill_the_gpu_in_one_wave():
     assert tuning.decode_num_splits(2, 1, 300, 16, None) == 2  # CPU: two slices, to exercise the merge
 
 
+def splits_by_search(batch, groups, max_len, block_n, multiprocessors, overhead=2.0, max_waves=4):
+    """The cost model searched over every split count (the oracle for decode_num_splits' few candidates)."""
+    tiles = -(-max_len // block_n)
+    programs = batch * groups
+    costs = [(-(-programs * s // multiprocessors) * (-(-tiles // s) + overhead), s) for s in range(1, tiles + 1)
+             if s == 1 or -(-programs * s // multiprocessors) <= max_waves]
+    return min(costs)
+
+
+def test_decode_splits_are_the_cost_models_best():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        batch, groups, max_len, block = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (80, 9, 40000, 4))
+        block_n = (16, 32, 64)[block - 1]
+        got = tuning.decode_num_splits(batch, groups, max_len, block_n, SMS)
+        tiles, programs = -(-max_len // block_n), batch * groups
+        cost = -(-programs * got // SMS) * (-(-tiles // got) + 2.0)
+        assert (cost, got) <= splits_by_search(batch, groups, max_len, block_n, SMS), (batch, groups, max_len, block_n)
+
+
 def test_dkv_heads_per_program():
     assert tuning.dkv_heads_per_program(9, 32, 4, None) == 9  # CPU: one group
     assert tuning.dkv_heads_per_program(9, 128, 4, SMS) == 9  # 512 programs fill the GPU: all heads in one
