@@ -1,6 +1,8 @@
 """Training losses on packed rows (segment starts are never targets): next-token loss and logit distillation,
-computed together in one pass over the logits (``logit_losses``). Held-out perplexity goes through mha2mla.evaluation.perplexity.batch_nll, the project's one
-perplexity sum."""
+computed together in one pass over the logits (``logit_losses``), their formula and gradient in one place
+(``chunk_losses``). A run computes them against the lm_head without whole logits (head_losses.py); ``logit_losses``
+is the same on logits already made (a sharded model's, and the reference of the tests). Held-out perplexity goes
+through mha2mla.evaluation.perplexity.batch_nll, the project's one perplexity sum."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class _LogitLosses(torch.autograd.Function):
             for start in range(0, positions, CHUNK_POSITIONS):
                 end = min(start + CHUNK_POSITIONS, positions)
                 teacher = None if teacher_logits is None else teacher_logits[row, start:end]
-                chunk_grad = _chunk(logits[row, start:end], teacher, input_ids[row, start + 1:end + 1],
+                chunk_grad = chunk_losses(logits[row, start:end], teacher, input_ids[row, start + 1:end + 1],
                                     weights[row, start:end], lm_weight, kl_weight, temperature, parts)
                 if grad is not None:
                     grad[row, start:end] = chunk_grad
@@ -40,7 +42,7 @@ class _LogitLosses(torch.autograd.Function):
         return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
 
 
-def _chunk(logits, teacher, targets, weights, lm_weight, kl_weight, temperature, parts):
+def chunk_losses(logits, teacher, targets, weights, lm_weight, kl_weight, temperature, parts):
     """One chunk of positions (C, V): adds its weighted LM and KL sums to ``parts`` and returns the gradient of
     ``lm_weight * LM + kl_weight * KL`` with respect to its logits. LM: ``-log p[target]``, gradient
     ``p - onehot``; KL(q || p_T) times T^2 (p_T, q: student and teacher softmax at temperature T), gradient

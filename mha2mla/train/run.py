@@ -41,8 +41,8 @@ from mha2mla.train.distributed import (
 )
 from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.generated import prepare_rows
+from mha2mla.train.head_losses import micro_batch_losses
 from mha2mla.train.log import evaluate_and_log, open_run_folder, record_step
-from mha2mla.train.losses import lm_loss, logit_losses
 from mha2mla.train.merge import check_out_folder, gathered_model, recovery_report, write_recovered
 from mha2mla.train.model import (
     check_teacher_matches,
@@ -169,19 +169,13 @@ class RecoveryRun:
 
     def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss to minimise, LM loss, logit distillation loss) of one micro-batch already on the device:
-        ``(1 - w) LM + w KL`` (w ``distill_weight``)."""
-        config = self.config
+        ``(1 - w) LM + w KL`` (w ``distill_weight``), against the lm_head chunk by chunk (head_losses.py); under
+        FSDP from the whole logits (the sharded lm_head weight is whole only inside the model's forward)."""
         mask = target_mask(batch["position_ids"])
+        unwrapped = self.accelerator.unwrap_model(self.model)
         with self.accelerator.autocast():
-            output = self.model(**batch, use_cache=False)
-            if self.teacher is None:
-                language = lm_loss(output.logits, batch["input_ids"], mask)
-                return language, language, torch.zeros(())
-            with torch.no_grad():
-                teacher = self.teacher(**batch, use_cache=False)
-            weight = config.distill_weight
-            return logit_losses(output.logits, teacher.logits, batch["input_ids"], mask, 1 - weight, weight,
-                                config.temperature)
+            return micro_batch_losses(self.model, unwrapped, self.teacher, batch, mask, self.config.distill_weight,
+                                      self.config.temperature, whole_logits=is_sharded(self.accelerator))
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this process's rows of the step: ``batch`` holds (grad_accum x B, L) tensors,
