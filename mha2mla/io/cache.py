@@ -20,6 +20,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub model that GGUF was made from (model cards)
 # held-out text name -> what it is (its file is text/<name>.txt in the cache)
 HELD_OUT_TEXTS = {"kjv": "the King James Bible", "python_docs": "the Python 3.11 documentation"}
+# texts whose domains no healing text reads: the unseen-domain yardstick (docs/eval.md, "Unseen domains")
+UNSEEN_TEXTS = {"fortunes": "the fortune-mod quotations and verse", "debian_policy": "the Debian Policy Manual"}
+CACHED_TEXTS = {**HELD_OUT_TEXTS, **UNSEEN_TEXTS}  # every text make assets puts in text/<name>.txt
 FETCH_HINT = "run `make assets` (or `python scripts/assets.py`) in the mha2mla checkout to fetch it"
 
 
@@ -46,9 +49,9 @@ def default_model_path() -> Path:
 
 
 def held_out_text_path(name: str) -> Path:
-    """Where held-out text ``name`` (``kjv`` or ``python_docs``) lives in the cache; it may be absent."""
-    if name not in HELD_OUT_TEXTS:
-        raise UserError(f"unknown held-out text {name!r}; choose one of {', '.join(HELD_OUT_TEXTS)}.")
+    """Where held-out text ``name`` (a key of ``CACHED_TEXTS``) lives in the cache; it may be absent."""
+    if name not in CACHED_TEXTS:
+        raise UserError(f"unknown held-out text {name!r}; choose one of {', '.join(CACHED_TEXTS)}.")
     return cache_dir() / "text" / f"{name}.txt"
 
 
@@ -67,5 +70,11 @@ def cached_held_out_text(name: str) -> Path:
     """The file of held-out text ``name``, or a UserError saying how to fetch it."""
     path = held_out_text_path(name)
     if not path.is_file():
-        raise UserError(f"{HELD_OUT_TEXTS[name]} text is not in {path}; {FETCH_HINT}.")
+        raise UserError(f"{CACHED_TEXTS[name]} text is not in {path}; {FETCH_HINT}.")
     return path
+
+
+def text_source_path(name: str) -> Path:
+    """The record beside cached text ``name`` of where ``make assets`` took it from (Debian package, version,
+    files), ``text/<name>.source.json``; written for the unseen-domain texts, it may be absent."""
+    return held_out_text_path(name).with_suffix(".source.json")
