@@ -3,12 +3,16 @@
 A model result is the dict ``compare.evaluate_loaded`` returns: ``name``, ``role`` ("source" for the baseline,
 else "model"), ``measurements`` (KV cache, parameters, throughput), ``tasks`` ({task: {metric: value}}),
 ``shown`` (top-level task rows) and optionally ``conversion_report`` (the convert step's per-layer errors).
+Each task row carries its domain (``tasks.task_domain``): in-domain rows (texts the healing text reads) come first,
+then the unseen-domain rows, so a healed model's two kinds of figures sit side by side.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+
+from mha2mla.evaluation.tasks import IN_DOMAIN, UNSEEN, task_domain
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +65,15 @@ def _kv_bytes_in(measurements: dict, dtype: str) -> float | None:
     return None if values is None else values * DTYPE_BYTES[dtype]
 
 
+DOMAIN_ORDER = (IN_DOMAIN, UNSEEN, "")  # the table's groups, top to bottom
+
+
 def comparison_rows(results: list[dict]) -> list[dict]:
-    """One row per (task, metric) and per measurement: ``{"task", "metric", "values": {name: v}, "deltas": ...}``."""
+    """One row per (task, metric) and per measurement: ``{"task", "domain", "metric", "values": {name: v},
+    "deltas": ...}``; task rows grouped by domain (DOMAIN_ORDER), in their order of appearance within a group."""
     baseline = next((r for r in results if r["role"] == "source"), None)
     tasks = list(dict.fromkeys(task for r in results for task in r["shown"]))
+    tasks.sort(key=lambda task: DOMAIN_ORDER.index(task_domain(task)))  # stable: keeps the order within a group
     rows = []
     for task in tasks:
         metrics = list(dict.fromkeys(m for r in results for m in table_metrics(r["tasks"].get(task, {}))))
@@ -72,13 +81,15 @@ def comparison_rows(results: list[dict]) -> list[dict]:
             rows.append(
                 {
                     "task": task,
+                    "domain": task_domain(task),
                     "metric": metric,
                     "values": {r["name"]: r["tasks"].get(task, {}).get(metric) for r in results},
                 }
             )
     kv_dtype = kv_row_dtype(results)
     for metric in MEASUREMENT_ROWS:
-        row = {"task": "model", "metric": metric, "values": {r["name"]: r["measurements"].get(metric) for r in results}}
+        row = {"task": "model", "domain": "", "metric": metric,
+               "values": {r["name"]: r["measurements"].get(metric) for r in results}}
         if metric == "kv_cache_bytes_per_token" and kv_dtype is not None:
             row["dtype"] = kv_dtype
             row["values"] = {r["name"]: _kv_bytes_in(r["measurements"], kv_dtype) for r in results}
@@ -118,10 +129,11 @@ def _format_delta(metric: str, delta: dict | None) -> str:
 
 
 def markdown_table(results: list[dict], rows: list[dict]) -> str:
-    """``| task | metric | source | converted | delta |`` (one value and delta column pair per compared model)."""
+    """``| domain | task | metric | source | converted | delta |`` (one value and delta column pair per compared
+    model); the domain cell is empty for a --text file and the model's measurements."""
     baseline = next((r for r in results if r["role"] == "source"), None)
     others = [r for r in results if r is not baseline]
-    header, align = ["task", "metric"], ["---", "---"]
+    header, align = ["domain", "task", "metric"], ["---", "---", "---"]
     if baseline is not None:
         header.append("source")
         align.append("---:")
@@ -133,7 +145,7 @@ def markdown_table(results: list[dict], rows: list[dict]) -> str:
             align.append("---:")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for row in rows:
-        cells = [row["task"], row["metric"] + (f" ({row['dtype']})" if row.get("dtype") else "")]
+        cells = [row.get("domain", ""), row["task"], row["metric"] + (f" ({row['dtype']})" if row.get("dtype") else "")]
         if baseline is not None:
             cells.append(format_value(row["values"].get(baseline["name"])))
         for r in others:

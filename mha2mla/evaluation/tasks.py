@@ -10,9 +10,14 @@ Bundled tasks are plain lm-eval YAML tasks (``dataset_path: json`` over local fi
 - ``mmlu_dev_mc``: the 281 MMLU dev questions shipped in ``mha2mla/data/tasks/mmlu_dev.jsonl`` (MIT licence),
   scored like lm-eval's ``mmlu``: the answer letter after the four lettered choices;
 - ``mmlu_dev_cloze``: the same questions scored on the full answer text (``acc`` and ``acc_norm``), which moves
-  more smoothly than letter accuracy for small models.
+  more smoothly than letter accuracy for small models;
+- the unseen-domain yardstick, on texts whose domains no healing text reads (``mha2mla.io.cache.UNSEEN_TEXTS``):
+  ``fortunes_ppl`` / ``debian_policy_ppl`` cut like ``kjv_ppl``, and ``fortunes_mc`` / ``debian_policy_mc``, four-way
+  "which passage continues this one" items built from the text's last third with a fixed seed
+  (``continuation_items``); each exists only when its text is cached.
 
-The tag ``mha2mla_offline`` names those of the four that are available. Point lm-eval's own CLI at the same tasks with
+Each task row is labelled in-domain (it scores a text the healing text reads, ``mha2mla.io.assets.HEALING_TEXTS``)
+or unseen (everything else) by ``task_domain``. The tag ``mha2mla_offline`` names the available bundled tasks. Point lm-eval's own CLI at the same tasks with
 ``--include_path $(python -c "from mha2mla.evaluation import bundled_task_dir; print(bundled_task_dir())")``.
 """
 
@@ -29,15 +34,25 @@ from pathlib import Path
 import yaml
 
 from mha2mla import UserError
+from mha2mla.evaluation.continuation_items import continuation_items
 from mha2mla.evaluation.mmlu_items import MMLU_DEV_FILE
-from mha2mla.io.cache import HELD_OUT_TEXTS, cache_dir, cached_held_out_text, held_out_text_path
+from mha2mla.io.assets import HEALING_TEXTS
+from mha2mla.io.cache import CACHED_TEXTS, cache_dir, cached_held_out_text, held_out_text_path
 
 log = logging.getLogger(__name__)
 
 OFFLINE_TAG = "mha2mla_offline"
-PERPLEXITY_TASKS = {"kjv_ppl": "kjv", "python_docs_ppl": "python_docs"}
+PERPLEXITY_TASKS = {
+    "kjv_ppl": "kjv",
+    "python_docs_ppl": "python_docs",
+    "fortunes_ppl": "fortunes",
+    "debian_policy_ppl": "debian_policy",
+}
+CONTINUATION_TASKS = {"fortunes_mc": "fortunes", "debian_policy_mc": "debian_policy"}
+TEXT_TASKS = {**PERPLEXITY_TASKS, **CONTINUATION_TASKS}  # task -> the cached text it needs
 MULTIPLE_CHOICE_TASKS = ("mmlu_dev_mc", "mmlu_dev_cloze")
-BUNDLED_TASKS = (*PERPLEXITY_TASKS, *MULTIPLE_CHOICE_TASKS)
+BUNDLED_TASKS = (*PERPLEXITY_TASKS, *CONTINUATION_TASKS, *MULTIPLE_CHOICE_TASKS)
+IN_DOMAIN, UNSEEN = "in-domain", "unseen"
 
 # Held-out documents: whole lines, at least DOC_CHARS characters each (about 1k tokens for a 49k-vocab BPE).
 NUM_DOCS = 16
@@ -84,6 +99,26 @@ def _perplexity_task(task: str, data_file: Path) -> dict:
     }
 
 
+def _continuation_task(task: str, data_file: Path) -> dict:
+    return {
+        "task": task,
+        "tag": [OFFLINE_TAG],
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "context",  # field names: the passage and its four candidate continuations
+        "doc_to_choice": "choices",
+        "doc_to_target": "answer",
+        "target_delimiter": " ",  # the space the passage was cut at
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+        "metadata": {"version": 1.0},
+    }
+
+
 def _multiple_choice_task(task: str, data_file: Path) -> dict:
     common = {
         "task": task,
@@ -124,19 +159,23 @@ def _write_if_changed(path: Path, content: str) -> None:
 
 
 def available_bundled_tasks() -> list[str]:
-    """The bundled tasks this machine can run: the MMLU ones always, a perplexity one when its text is cached."""
-    return [
-        task
-        for task in BUNDLED_TASKS
-        if task not in PERPLEXITY_TASKS or held_out_text_path(PERPLEXITY_TASKS[task]).is_file()
-    ]
+    """The bundled tasks this machine can run: the MMLU ones always, a text's tasks when that text is cached."""
+    return [task for task in BUNDLED_TASKS if task not in TEXT_TASKS or held_out_text_path(TEXT_TASKS[task]).is_file()]
+
+
+def task_domain(task: str) -> str:
+    """``IN_DOMAIN`` for a task scoring a text the healing text reads (``HEALING_TEXTS``), ``UNSEEN`` for any other
+    task (the unseen-domain texts, MMLU, hub tasks), "" for a row that is not a task (a --text file, the model)."""
+    if task in TEXT_TASKS:
+        return IN_DOMAIN if TEXT_TASKS[task] in HEALING_TEXTS else UNSEEN
+    return "" if task == "model" or task.startswith("text:") else UNSEEN
 
 
 def missing_text_message(task: str) -> str:
-    """One sentence: perplexity task ``task`` can't run because its held-out text is not in the cache."""
-    name = PERPLEXITY_TASKS[task]
+    """One sentence: task ``task`` can't run because its held-out text is not in the cache."""
+    name = TEXT_TASKS[task]
     return (
-        f"task {task!r} needs {HELD_OUT_TEXTS[name]} text in {held_out_text_path(name)}, which is not there; "
+        f"task {task!r} needs {CACHED_TEXTS[name]} text in {held_out_text_path(name)}, which is not there; "
         "run `make assets` in the mha2mla checkout to fetch it, or score your own text with --text FILE."
     )
 
@@ -144,22 +183,24 @@ def missing_text_message(task: str) -> str:
 def bundled_task_dir() -> Path:
     """Write the available bundled task YAMLs (and held-out documents) into the cache; return the folder for lm-eval.
 
-    A perplexity task whose text is not cached gets no files (stale ones are removed), so lm-eval never sees it.
+    A task whose text is not cached gets no files (stale ones are removed), so lm-eval never sees it.
     """
     folder = cache_dir() / "eval_tasks"
     folder.mkdir(parents=True, exist_ok=True)
     available = available_bundled_tasks()
-    for task, text_name in PERPLEXITY_TASKS.items():
+    for task, text_name in TEXT_TASKS.items():
         data_file, task_file = folder / f"{task}.jsonl", folder / f"{task}.yaml"
         if task not in available:
             task_file.unlink(missing_ok=True)
             data_file.unlink(missing_ok=True)
             continue
-        docs = held_out_documents(text_name)
-        _write_if_changed(
-            data_file, "".join(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in docs)
-        )
-        _write_if_changed(task_file, yaml.safe_dump(_perplexity_task(task, data_file), sort_keys=False))
+        if task in PERPLEXITY_TASKS:
+            rows, config = [{"text": doc} for doc in held_out_documents(text_name)], _perplexity_task(task, data_file)
+        else:
+            text = cached_held_out_text(text_name).read_text(encoding="utf-8")
+            rows, config = continuation_items(text), _continuation_task(task, data_file)
+        _write_if_changed(data_file, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        _write_if_changed(task_file, yaml.safe_dump(config, sort_keys=False))
     for task in MULTIPLE_CHOICE_TASKS:
         config = _multiple_choice_task(task, MMLU_DEV_FILE)
         _write_if_changed(folder / f"{task}.yaml", yaml.safe_dump(config, sort_keys=False))
@@ -199,9 +240,9 @@ def _task_manager_for(include_path: str, bundled: tuple[str, ...]):
 
 
 def default_tasks() -> list[str]:
-    """The bundled tasks that run here; a perplexity task whose text is not cached is left out with a warning."""
+    """The bundled tasks that run here; a task whose text is not cached is left out with a warning."""
     available = available_bundled_tasks()
-    missing = [task for task in PERPLEXITY_TASKS if task not in available]
+    missing = [task for task in TEXT_TASKS if task not in available]
     if missing:
         log.warning(
             "skipping %s: the held-out texts are not in %s (run `make assets` to fetch them, "
@@ -228,7 +269,7 @@ def check_tasks(names: list[str], manager, offline: bool | None = None) -> None:
     """Raise UserError for an unknown task name, or for a hub task when the machine is offline."""
     known = set(manager.all_tasks)
     for name in names:
-        if name in PERPLEXITY_TASKS and not held_out_text_path(PERPLEXITY_TASKS[name]).is_file():
+        if name in TEXT_TASKS and not held_out_text_path(TEXT_TASKS[name]).is_file():
             raise UserError(missing_text_message(name))
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=3)

@@ -139,7 +139,7 @@ def test_cli_writes_table_json_and_plots(cli_report, capsys):
         assert model["measurements"]["parameters"] > model["measurements"]["attention_parameters"] > 0
         assert model["measurements"]["tokens_per_second"] > 0
     table = (cli_report / "results.md").read_text()
-    assert table.startswith("| task | metric | source | converted | delta |")
+    assert table.startswith("| domain | task | metric | source | converted | delta |")
     source, converted = report["models"]
     row = next(r for r in report["table"] if r["task"] == "kjv_ppl" and r["metric"] == "word_perplexity")
     delta = converted["tasks"]["kjv_ppl"]["word_perplexity"] - source["tasks"]["kjv_ppl"]["word_perplexity"]
@@ -274,9 +274,9 @@ def test_table_and_plots_for_several_models(tmp_path):
     ]
     report = write_report(results, {"seed": 1}, tmp_path)
     lines = report["markdown"].splitlines()
-    assert lines[0] == "| task | metric | source | converted | Δ converted | recovered | Δ recovered |"
-    assert lines[2] == "| kjv_ppl | word_perplexity | 20 | 40 | +20 (×2) | 25 | +5 (×1.25) |"
-    assert lines[4] == "| mmlu_dev_mc | acc | 0.3 | 0.25 | -0.05 | 0.28 | -0.02 |"
+    assert lines[0] == "| domain | task | metric | source | converted | Δ converted | recovered | Δ recovered |"
+    assert lines[2] == "| in-domain | kjv_ppl | word_perplexity | 20 | 40 | +20 (×2) | 25 | +5 (×1.25) |"
+    assert lines[4] == "| unseen | mmlu_dev_mc | acc | 0.3 | 0.25 | -0.05 | 0.28 | -0.02 |"
     assert set(report["plots"]) == {"tasks", "perplexity_vs_kv"}  # no conversion report given
     assert json.loads((tmp_path / "results.json").read_text())["settings"] == {"seed": 1}
 
