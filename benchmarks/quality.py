@@ -1,11 +1,12 @@
 """Training-free conversion quality: held-out perplexity of converted models, per KV budget and method.
 
     OMP_NUM_THREADS=1 python benchmarks/quality.py --budgets 0.3125 0.1875 0.125 --profiles exact portable
-    OMP_NUM_THREADS=1 python benchmarks/quality.py --budgets 0.3125 --methods weight-svd act-pca act-attention-refit
+    OMP_NUM_THREADS=1 python benchmarks/quality.py --budgets 0.3125 --methods default no-reconstruct weight-only
 
-The methods are named sets of ``mha2mla.convert.plan.methods.Methods`` (METHODS below): the product's three
-(``act-attention-refit-recon``, the default; ``act-attention-refit`` = ``--no-reconstruct``; ``weight-svd`` =
-``--calib none``) and the ablations of the steps before them.
+The methods are the product's conversions, named by the `mha2mla convert` options that select them (METHODS
+below): ``default`` (calibrated, refit, layer-wise reconstruction), ``no-reconstruct`` (``--no-reconstruct``) and
+``weight-only`` (``--calib none``). The ablations of the steps before them are settled; their figures are in
+docs/benchmarks.md.
 
 For each budget, method and profile it converts the model (default: SmolLM2-135M-Instruct from the
 cached GGUF), loads the result with transformers and scores the held-out KJV and Python-docs slices
@@ -17,7 +18,7 @@ bfloat16`` converts each setting once per compute dtype, side by side in one run
 the wall time and the per-phase seconds summed over the layers (reconstruction; the rest of each layer) to each row:
 
     OMP_NUM_THREADS=2 python benchmarks/quality.py --budgets 0.3125 0.125 \
-        --methods act-attention-refit-recon --profiles portable --compute-dtypes float32 bfloat16
+        --profiles portable --compute-dtypes float32 bfloat16
 
 ``--family-smoke`` converts a tiny random source of every family (the tests' builder, tests/common.py) instead and
 prints the logit errors against the source.
@@ -36,97 +37,36 @@ from pathlib import Path
 import harness
 import torch
 
-# name -> changes to the calibrated product method set (methods.product_methods). The product offers the default,
-# `act-attention-refit` (`--no-reconstruct`) and `weight-svd` (`--calib none`); the rest are the ablations worth
-# re-measuring (docs/calibration.md).
-# Every name is resolved per profile: the kv_a_layernorm method follows the profile.
+# name -> the `mha2mla convert` options (ConvertOptions fields) that select the product's conversion method
 METHODS: dict[str, dict] = {
-    "weight-svd": {},  # the weight-only product path
-    # activation PCA of [K_nope; V] on the source model's activations (statistics computed once, reused)
-    "act-pca": {"rope_compensation": "none", "lowrank": "pca", "refit": "none", "sequential": False, "reconstruct": "none"},
-    "act-pca-seq": {"rope_compensation": "none", "lowrank": "pca", "refit": "none", "reconstruct": "none"},
-    # + dropped rotations replaced by their attention-weighted mean
-    "act-pca-mean": {"lowrank": "pca", "refit": "none", "sequential": False, "reconstruct": "none"},
-    # + the attention-aware latent and per-head up-projections
-    "act-attention": {"refit": "none", "sequential": False, "reconstruct": "none"},
-    "act-attention-seq": {"refit": "none", "reconstruct": "none"},
-    # + the read-out refitted on the converted layer towards the source stream (`--no-reconstruct`)
-    "act-attention-refit": {"reconstruct": "none"},
-    # + each layer fitted by gradient descent to the source layer's output (convert/steps/reconstruct.py): the default
-    "act-attention-refit-recon": {"reconstruct": "gradient"},
+    "default": {},  # calibrated: attention-aware latent, refit, layer-wise reconstruction
+    "no-reconstruct": {"reconstruct": False},  # `--no-reconstruct`
+    "weight-only": {"calib": "none"},  # `--calib none`: SVD of the K/V weights, nothing calibrated
 }
-DEFAULT_METHOD = "act-attention-refit-recon"  # what `mha2mla convert` does by default
-
-
-def method_set(name: str, profile: str):
-    """The ``Methods`` of benchmark method ``name`` for ``profile``."""
-    import dataclasses
-
-    from mha2mla.convert.plan.methods import product_methods
-
-    if name == "weight-svd":
-        return product_methods(profile, calibrated=False)
-    return dataclasses.replace(product_methods(profile, calibrated=True), **METHODS[name])
+DEFAULT_METHOD = "default"
 
 
 SLICES = harness.HELD_OUT_SLICES
-
-
-_STATISTICS: dict = {}
-
-
-def source_statistics(source: Path, options, profile: str) -> list:
-    """Every layer's statistics on the source model's own activations, computed once per calibration set (the same
-    for every method and budget that neither fits layers nor calibrates sequentially)."""
-    from mha2mla.convert.calibration.measure import measure
-    from mha2mla.convert.calibration.stream import calibration_stream
-    from mha2mla.convert.plan.resolve import make_plan
-    from mha2mla.convert.source_reader import SourceReader
-    from mha2mla.families import family_for_config
-    from mha2mla.io.source import open_source
-
-    key = (str(source), options.calib, options.calib_samples, options.calib_seq_len, options.compute_dtype)
-    if key not in _STATISTICS:
-        ckpt = open_source(source)
-        family = family_for_config(ckpt.config)
-        plan = make_plan(ckpt.config, family, options, methods=method_set("act-attention", profile))
-        stream = calibration_stream(SourceReader(ckpt, family, plan))
-        layers = []
-        for layer in range(plan.shape.num_layers):
-            activations = stream.enter(layer)
-            layers.append(measure(activations))
-            stream.advance(activations, None)  # the source model's own stream
-        _STATISTICS[key] = layers
-    return _STATISTICS[key]
 
 
 def run_one(source: Path, budget: float, rope_dim: int | None, method: str, profile: str, args,
             compute_dtype: str = "auto") -> dict:
     from mha2mla.convert.options import ConvertOptions
     from mha2mla.convert.pipeline import convert
-    from mha2mla.convert.plan.resolve import make_plan
-    from mha2mla.families import family_for_config
-    from mha2mla.io.source import open_source
 
-    methods = method_set(method, profile)
-    calibration = {"calib": args.calib, "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
-    if method != "weight-svd":  # the weight-only path computes nothing to give a dtype to
-        calibration["compute_dtype"] = compute_dtype
-    options = dict(profile=profile, kv_budget=budget, rope_stride=args.rope_stride, **calibration)
+    options = dict(profile=profile, kv_budget=budget, rope_stride=args.rope_stride, **METHODS[method])
+    if method != "weight-only":  # the weight-only path calibrates nothing and computes nothing to give a dtype to
+        options.update(calib=args.calib, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+                       compute_dtype=compute_dtype)
     if rope_dim is not None or args.full_rank:  # the same total cache as the budget, another rope/rank split
-        ckpt = open_source(source)
-        plan = make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(**options), methods=methods)
+        plan = convert(source, None, ConvertOptions(**options), dry_run=True, progress=False).plan
         options.update(kv_budget=None, rope_dim=rope_dim or plan.rope_dim)
         full = 2 * plan.shape.num_kv_heads * plan.shape.head_dim + plan.extra_channels
         options["kv_lora_rank"] = full if args.full_rank else plan.kv_lora_rank + plan.rope_dim - options["rope_dim"]
     options = ConvertOptions(**options)
-    statistics = None
-    if methods.needs_statistics and not methods.sequential and not methods.fits_layers:
-        statistics = source_statistics(source, options, profile)  # the same for every method and budget
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         started = time.time()
-        result = convert(source, Path(tmp) / "out", options, progress=False, statistics=statistics, methods=methods,
-                         command="benchmarks/quality.py")
+        result = convert(source, Path(tmp) / "out", options, progress=False, command="benchmarks/quality.py")
         seconds = time.time() - started
         perplexity = harness.perplexities(Path(tmp) / "out", args.slices, args.windows * 512)
     layers = result.report["layers"]
@@ -139,7 +79,6 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         "compute_dtype": result.plan.compute_dtype,
         "layer_seconds": round(sum(l["seconds"] for l in layers), 1),
         "reconstruction_seconds": round(sum(l.get("reconstruction_seconds", 0.0) for l in layers), 1),
-        "statistics": "precomputed (source activations)" if statistics is not None else "in convert",
         "k_rel_error": round(sum(l["k_rel_error"] for l in layers) / len(layers), 4),
         "v_rel_error": round(sum(l["v_rel_error"] for l in layers) / len(layers), 4),
         "perplexity": {k: round(v, 3) for k, v in perplexity.items()},
@@ -265,7 +204,7 @@ def main(argv=None) -> int:
         for rope_dim in args.rope_dims or [None]:
             for method in args.methods:
                 for profile in args.profiles:
-                    for compute_dtype in args.compute_dtypes if method != "weight-svd" else ["auto"]:
+                    for compute_dtype in args.compute_dtypes if method != "weight-only" else ["auto"]:
                         row = run_one(source, budget, rope_dim, method, profile, args, compute_dtype)
                         row["source_values"] = source_values
                         row["ratio"] = {k: round(row["perplexity"][k] / source_ppl[k], 3) for k in args.slices}
