@@ -38,10 +38,22 @@ def recover_command(
                                           "flags given win over it."),
     resume: Optional[str] = typer.Option(None, "--resume", help="auto (latest checkpoint in OUT) or a checkpoint folder."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="State the run's memory per process (weights, gradients, "
+                                 "optimizer, teacher, activations, logits, data) and whether it fits the device, then "
+                                 "stop: nothing loads, nothing is written."),
 ) -> None:
     """Heal a converted MLA model: LoRA (or full attention, or every layer) fine-tuning, optional distillation from the
     source, resumable checkpoints, and the merged native DeepSeek-V3 checkpoint written to OUT."""
     require_extra("recover", "`mha2mla recover`")
+    if dry_run:
+        from mha2mla.train.memory import check_fits, planned
+
+        memory, device, compute_dtype = planned(settings)
+        typer.echo(f"memory per process, estimated ({device}, {compute_dtype}):")
+        typer.echo("\n".join(memory.lines()))
+        check_fits(memory, device)
+        typer.echo(f"fits: {device} has enough free memory for this estimate.")
+        return
     from mha2mla.train.trainer import recover  # torch, accelerate, peft: only once a run starts
 
     quiet = logging.getLogger().level > logging.INFO

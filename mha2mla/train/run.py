@@ -43,6 +43,7 @@ from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.generated import prepare_rows
 from mha2mla.train.head_losses import micro_batch_losses
 from mha2mla.train.log import evaluate_and_log, open_run_folder, record_step
+from mha2mla.train.memory import check_run_memory
 from mha2mla.train.merge import check_out_folder, gathered_model, recovery_report, write_recovered
 from mha2mla.train.model import (
     check_teacher_matches,
@@ -100,6 +101,8 @@ class RecoveryRun:
         if resume_point(config, self.resume) is not None:
             check_same_run(config, config.out_path)
         self.start_accelerator()
+        check_run_memory(config, self.compute_dtype, self.world, is_sharded(self.accelerator), self.accelerator.device,
+                         self.is_main)
         self.resume_from, self._saved = restore_point(config, self.resume, self.rank, self.world)
         self.tokenizer = load_tokenizer(config.model)
         teacher = None

@@ -1,0 +1,182 @@
+"""How much memory a recovery run needs, from the model's shapes and the run's settings, before anything loads
+(``mha2mla recover --dry-run``, and the first lines of every run; docs/recover.md, "Memory").
+
+The parameter counts are exact: the student (and a teacher folder) are built on torch's ``meta`` device from their
+config.json and made trainable as the run makes them (LoRA, full attention or full layers), which allocates nothing.
+The rest is counted per process from what the run holds at its peak, a training step's backward pass:
+
+- weights: every student parameter in float32 (frozen ones too: bf16 runs autocast over float32 weights);
+- gradients: float32, trainable parameters; optimizer: AdamW's two float32 moments per trainable parameter;
+- teacher: its parameters in the compute dtype (a GGUF teacher is counted as the student: same vocabulary and
+  widths, only attention differs);
+- activations: what autograd keeps per token and decoder layer (:func:`saved_per_token`) over the micro-batch;
+- logits: the lm_head losses' chunk temporaries (head_losses.py) plus the gradient of the final hidden states; under
+  FSDP, whole logits (student, teacher, gradient) as ``logit_losses`` needs them;
+- data: the packed token rows (input ids and positions, int64).
+
+The estimate is the sum; a run whose estimate exceeds the memory the device has free is refused in one sentence.
+It leaves out what the process holds before the run (torch, transformers, the tokenizer) and allocator slack.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mha2mla import UserError
+from mha2mla.train.config import RecoverConfig
+from mha2mla.train.losses import CHUNK_POSITIONS
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+# chunk temporaries of (positions x vocabulary) float32 the lm_head losses hold at once: logits, log-softmax and its
+# gradient without a teacher; the teacher's logits and probabilities with one (losses.chunk_losses)
+CHUNK_COPIES = {False: 3, True: 5}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per process, by what holds them."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    teacher: int
+    activations: int
+    logits: int
+    data: int
+
+    @property
+    def total(self) -> int:
+        return sum(vars(self).values())
+
+    def lines(self) -> list[str]:
+        """One line per part and the total, in GiB."""
+        parts = [f"  {name:<12} {value / GIB:8.3f} GiB" for name, value in vars(self).items()]
+        return [*parts, f"  {'total':<12} {self.total / GIB:8.3f} GiB"]
+
+
+def meta_model(config_path: Path):
+    """The causal LM of ``config_path`` (a config.json) on the meta device: its shapes, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(config_path.parent))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def parameter_counts(config: RecoverConfig) -> tuple[int, int]:
+    """(trainable, total) parameters of the student as the run trains it."""
+    import warnings
+
+    from mha2mla.train.model import make_trainable
+
+    model = meta_model(Path(config.model) / "config.json")
+    with warnings.catch_warnings():  # peft warns that meta tensors cannot be initialised: nothing to initialise
+        warnings.simplefilter("ignore")
+        model = make_trainable(model, config.adapter, layers=config.full_layers)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def saved_per_token(model_config: dict, config: RecoverConfig) -> int:
+    """Elements autograd keeps per token in one decoder layer of a converted (DeepSeek-V3 MLA) model: the two
+    RMSNorms' inputs and outputs (3 x hidden each), the attention's projections (q, the latent and its norm, the
+    per-head keys and values, the rotary copies, the padded value and the attention output SDPA saves) and the
+    MLP's gate, up, activation and product; LoRA adds its rank per adapted projection."""
+    hidden = model_config["hidden_size"]
+    heads = model_config["num_attention_heads"]
+    nope, rope = model_config.get("qk_nope_head_dim", 0), model_config.get("qk_rope_head_dim", 0)
+    value = model_config.get("v_head_dim", nope + rope)
+    latent = model_config.get("kv_lora_rank") or 0
+    intermediate = model_config["intermediate_size"]
+    query = heads * (nope + rope)
+    norms = 2 * 3 * hidden
+    attention = 5 * query + heads * (nope + value) + heads * value + 3 * latent + 2 * rope
+    mlp = 4 * intermediate
+    lora = 0 if config.adapter is None else 2 * config.adapter.rank * len(config.adapter.targets)
+    return norms + attention + mlp + lora
+
+
+def estimate(config: RecoverConfig, compute_dtype: str = "float32", world: int = 1, sharded: bool = False,
+             teacher_parameters: int | None = None) -> MemoryEstimate:
+    """The run's memory per process (``world`` processes; ``sharded``: FSDP, weights and states split over them)."""
+    model_config = json.loads((Path(config.model) / "config.json").read_text())
+    trainable, total = parameter_counts(config)
+    split = world if sharded else 1
+    compute_bytes = 2 if compute_dtype == "bfloat16" else 4
+    tokens = config.batch_size * config.seq_len  # one micro-batch
+    layers = model_config["num_hidden_layers"]
+    hidden, vocab = model_config["hidden_size"], model_config["vocab_size"]
+    activations = tokens * (layers * saved_per_token(model_config, config) + 4 * hidden) * compute_bytes
+    teacher = 0
+    if config.teacher is not None:
+        teacher = (teacher_parameters if teacher_parameters is not None else total) * compute_bytes
+    chunk = min(CHUNK_POSITIONS, tokens)
+    logits = chunk * vocab * 4 * CHUNK_COPIES[config.teacher is not None] + tokens * hidden * 4
+    if sharded:  # whole logits: the student's and its gradient, and the teacher's
+        logits += tokens * vocab * compute_bytes * (3 if config.teacher is not None else 2)
+    rows = config.total_steps(world) * config.batch_size * config.grad_accum * world + config.eval_sequences
+    return MemoryEstimate(weights=total * 4 // split, gradients=trainable * 4 // split, optimizer=trainable * 8 // split,
+                          teacher=teacher, activations=activations, logits=logits, data=rows * config.seq_len * 16)
+
+
+def teacher_parameters(config: RecoverConfig) -> int | None:
+    """A teacher folder's parameter count from its config.json (None: no teacher folder to read)."""
+    if config.teacher is None or not (Path(config.teacher) / "config.json").is_file():
+        return None
+    return sum(p.numel() for p in meta_model(Path(config.teacher) / "config.json").parameters())
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes the device has free now: a GPU's free memory, or the host's MemAvailable (None when unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
+    return pages * os.sysconf("SC_PAGE_SIZE") if pages else None
+
+
+def check_fits(memory: MemoryEstimate, device: torch.device, free: int | None = None) -> None:
+    """Refuse in one sentence a run that needs more than the device has free."""
+    free = free_memory(device) if free is None else free
+    if free is not None and memory.total > free:
+        raise UserError(f"this run needs about {memory.total / GIB:.1f} GiB per process on {device} but only "
+                        f"{free / GIB:.1f} GiB is free; lower --batch-size or --seq-len (raise --grad-accum to keep "
+                        "the tokens per step), train LoRA instead of full layers, or use a larger device.")
+
+
+def planned(config: RecoverConfig) -> tuple[MemoryEstimate, torch.device, str]:
+    """The estimate of ``config``'s run on the device it would run on, without starting it (``--dry-run``): the
+    estimate, the device and the compute dtype, resolved as the run resolves them."""
+    from mha2mla.compute import resolve_compute_dtype
+    from mha2mla.train.distributed import run_device
+
+    device = run_device()
+    compute_dtype = resolve_compute_dtype(config.compute_dtype, device.type, cpu_bf16=config.adapter is None)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sharded = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+    memory = estimate(config, compute_dtype, world, sharded and world > 1, teacher_parameters(config))
+    return memory, device, compute_dtype
+
+
+def check_run_memory(config: RecoverConfig, compute_dtype: str, world: int, sharded: bool, device: torch.device,
+                     is_main: bool = True) -> MemoryEstimate:
+    """The first lines of every run: its estimate, logged by the main process; then refused if it does not fit."""
+    memory = estimate(config, compute_dtype, world, sharded, teacher_parameters(config))
+    if is_main:
+        log.info("memory per process, estimated (%s, %s; docs/recover.md, \"Memory\"):\n%s", device, compute_dtype,
+                 "\n".join(memory.lines()))
+    check_fits(memory, device)
+    return memory
