@@ -33,9 +33,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import harness
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _dynamic_cache_bytes(cache) -> int:
@@ -49,6 +52,7 @@ def _dynamic_cache_bytes(cache) -> int:
 
 def build_standin(folder: Path, kv_lora_rank: int = 32, rope_dim: int = 16, max_positions: int = 16384) -> Path:
     """A random DeepSeek-V3 MLA checkpoint with SmolLM2-135M's shapes (benchmark development only)."""
+    import torch
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     from mha2mla.modeling.absorbed import write_absorbed
@@ -71,6 +75,8 @@ def build_standin(folder: Path, kv_lora_rank: int = 32, rope_dim: int = 16, max_
 
 def _time_hf_decode(model, cache, first_token: torch.Tensor, warmup: int, steps: int):
     """Greedy decode with a transformers model and its cache; returns (per-step seconds, last logits)."""
+    import torch
+
     tokens = first_token  # (B, 1)
     times, logits = [], None
     with torch.inference_mode():
@@ -128,6 +134,7 @@ def _time_engine_decode(engine, cache, first_token: torch.Tensor, warmup: int, s
 
 def _load_models(args, converted: Path, models: set[str]):
     """(source model or None, its tokenizer, transformers' DeepseekV3 or None, our engine)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mha2mla.modeling.model import MLAModel
@@ -142,6 +149,8 @@ def _load_models(args, converted: Path, models: set[str]):
 
 def _source_rows(source, prompt, batches, args, tokens_in_cache, rows) -> None:
     """(a): transformers prefills once, its cache repeated per batch."""
+    import torch
+
     context = prompt.shape[1]
     with torch.inference_mode():
         start = time.perf_counter()
@@ -157,6 +166,8 @@ def _source_rows(source, prompt, batches, args, tokens_in_cache, rows) -> None:
 
 def _mla_rows(engine, hf_mla, prompt, batches, args, tokens_in_cache, rows, checks) -> None:
     """(c) our engine, then (b) transformers' DeepseekV3 on its own prefill or on the engine's latent cache."""
+    import torch
+
     context = prompt.shape[1]
     engine_cache = engine.new_cache(1, tokens_in_cache)
     start = time.perf_counter()
@@ -199,6 +210,8 @@ def _ratios(rows: list[dict]) -> None:
 
 def run(args) -> tuple[dict, list[dict], list[dict]]:
     """(settings, one row per model/context/batch, the hf-mla vs engine logit checks)."""
+    import torch
+
     torch.set_num_threads(args.threads)
     models = set(args.models.split(","))
     converted = Path(args.converted)

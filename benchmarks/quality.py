@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import harness
-import torch
 
 # name -> the `mha2mla convert` options (ConvertOptions fields) that select the product's conversion method
 METHODS: dict[str, dict] = {
@@ -126,6 +125,8 @@ def family_smoke(work: str | None) -> list[dict]:
     profile, float32 compute, an MQA source: exact up to float32 except where the format approximates — Qwen3's q/k
     norm) and at 31.25% (the default options, a GQA source with 2 KV heads, calibrated on 16 × 64 tokens): logit errors
     against the source."""
+    import torch
+
     from mha2mla.convert.options import ConvertOptions
     from mha2mla.convert.pipeline import convert
 

@@ -24,7 +24,6 @@ import os
 import sys
 
 import harness
-import torch
 
 COMPUTE_ORDER = ("float32", "auto", "bfloat16")  # no-autocast runs start accelerate first (distributed.start_accelerator)
 
@@ -83,7 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.converted = args.converted or str(harness.cache_path("converted", "smollm2-135m-kv0.125"))
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
 
 
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
     from mha2mla.train import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS
 
     args = parse_args(argv)
+    import torch  # after the arguments: --help stays quick
+
     source = args.source or ("" if args.models == ["converted"] else str(cached_default_model()))
     if args.device == "cpu":
         os.environ["ACCELERATE_USE_CPU"] = "1"  # read when the recipe starts accelerate
