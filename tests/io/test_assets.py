@@ -1,0 +1,41 @@
+"""The healing text as library code (mha2mla/io/assets.py): derived from the cached held-out texts on first use,
+kept afterwards, and a missing text is one sentence saying how to fetch it, with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mha2mla import UserError
+from mha2mla.io.assets import HEALING_FILES, healing_documents, healing_text_path
+
+
+def _write_texts(cache, lines: dict[str, int]) -> dict[str, str]:
+    texts = {name: "".join(f"{name} {i:04d} " + "x" * 3990 + "\n" for i in range(count)) for name, count in lines.items()}
+    (cache / "text").mkdir(parents=True)
+    for name, text in texts.items():
+        (cache / "text" / f"{name}.txt").write_text(text, encoding="utf-8")
+    return texts
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_healing_text_is_derived_from_the_cached_texts_once(tmp_path, monkeypatch, balanced):
+    monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path))
+    texts = _write_texts(tmp_path, {"kjv": 40, "python_docs": 100})
+    path = healing_text_path(balanced)
+    assert path == tmp_path / "text" / HEALING_FILES[balanced]
+    rows = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+    assert rows == healing_documents([texts["kjv"], texts["python_docs"]], balanced)
+    assert len(rows) == (2 * 12 if balanced else 12 + 30)  # the first 30% of each text, one document per line
+    path.write_text('{"text": "kept"}\n', encoding="utf-8")
+    assert healing_text_path(balanced).read_text(encoding="utf-8") == '{"text": "kept"}\n'  # built once, then read
+    assert sorted(p.name for p in (tmp_path / "text").iterdir()) == sorted(["kjv.txt", "python_docs.txt", path.name])
+
+
+def test_a_missing_text_is_one_sentence_with_the_fetch_hint_and_nothing_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path))
+    _write_texts(tmp_path, {"kjv": 10})
+    with pytest.raises(UserError, match=r"Python 3\.11 documentation text is not in .*make assets"):
+        healing_text_path()
+    assert sorted(p.name for p in (tmp_path / "text").iterdir()) == ["kjv.txt"]
