@@ -75,7 +75,7 @@ def run(work: Path, name: str, converted: str, extra: list[str], no_data: bool) 
     print(json.dumps(record))
 
 
-def score(work: Path, names: list[str], converted: list[str]) -> None:
+def score(work: Path, names: list[str], converted: list[str], json_out: str | None = None) -> None:
     """Acceptance-slice perplexity of the source, of each converted starting point and of each run's output."""
     source_file = work / "source_perplexity.json"
     if not source_file.is_file():  # the dequantized GGUF, scored as benchmarks/quality.py scores it
@@ -99,7 +99,7 @@ def score(work: Path, names: list[str], converted: list[str]) -> None:
     for row in rows:
         cells = " | ".join(f"{row['perplexity'][s]:.2f} (×{row['x_source'][s]:.3f})" for s in SLICES)
         lines.append(f"| {row['model']} | {row.get('tokens', 0):,} | {row.get('wall_seconds', '')} | {cells} |")
-    harness.report("recovery", {"work": str(work), "slice_tokens": SLICE_TOKENS}, rows, table="\n".join(lines),
+    harness.report("recovery", {"work": str(work), "slice_tokens": SLICE_TOKENS}, rows, json_out, table="\n".join(lines),
                    source_perplexity=source)
 
 
@@ -107,7 +107,7 @@ REGIONS = {"kjv": (0.1, 0.333, 0.6), "python_docs": (0.02, 0.08, 0.13, 0.2, 0.25
 REGION_TOKENS = 4096
 
 
-def regions(work: Path, names: list[str], converted: list[str]) -> None:
+def regions(work: Path, names: list[str], converted: list[str], json_out: str | None = None) -> None:
     """Perplexity on REGION_TOKENS tokens starting at several fractions of each text, for the source and each model
     and its ratio to the source: how a healed model fares on its training text (the first 30%), on the held-out
     slice (a third in) and beyond it."""
@@ -127,11 +127,12 @@ def regions(work: Path, names: list[str], converted: list[str]) -> None:
                 ids = harness.held_out_ids(tokenizer, text, REGION_TOKENS, fraction)
                 table.setdefault(f"{text} at {fraction}", {})[label] = window_perplexity(model, ids, 512)
     labels = [label for label, _ in models]
-    print(json.dumps(table, indent=1))
-    print("| region | " + " | ".join(labels) + " |\n|---|" + "---:|" * len(labels))
+    lines = ["| region | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
     for region, row in table.items():
         cells = [f"{row['source']:.2f}"] + [f"{row[x]:.2f} (×{row[x] / row['source']:.3f})" for x in labels[1:]]
-        print(f"| {region} | " + " | ".join(cells) + " |")
+        lines.append(f"| {region} | " + " | ".join(cells) + " |")
+    rows = [{"region": region, **row} for region, row in table.items()]
+    harness.report("recovery-regions", {"region_tokens": REGION_TOKENS}, rows, json_out, table="\n".join(lines))
 
 
 def main() -> None:
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--converted", action="append", default=[])
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: $MHA2MLA_CACHE/heal)")
     parser.add_argument("--no-data", action="store_true", help="no --data: the teacher generates the training text")
+    harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.work = args.work or harness.cache_path("heal")
     if args.step == "prepare":
@@ -153,9 +155,9 @@ def main() -> None:
             parser.error("run takes one NAME and one --converted")
         run(args.work, args.names[0], args.converted[0], extra, args.no_data)
     elif args.step == "regions":
-        regions(args.work, args.names, args.converted)
+        regions(args.work, args.names, args.converted, args.json_out)
     else:
-        score(args.work, args.names, args.converted)
+        score(args.work, args.names, args.converted, args.json_out)
 
 
 if __name__ == "__main__":
