@@ -26,6 +26,55 @@ import triton.language as tl
 
 
 @triton.jit
+def _fwd_key_tiles(
+    acc, l_i, m_i, q_nope, q_pe, kn_base, kp_base, v_base, kseg_row, q_seg, offs_m, start, stop,
+    stride_knt, stride_kpt, stride_vt, k_len, d_nope, d_rope, d_v, causal_shift, scale_log2,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEGMENTS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """The forward's online softmax over the key tiles [start, stop) of one query block; MASKED False for tiles
+    every row sees whole (no causal, segment or end-of-keys mask to build)."""
+    offs_dn = tl.arange(0, BLOCK_DN)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key columns
+        col_ok = offs_n < k_len
+        kn_t = tl.load(  # (BDN, BN) key transposed
+            kn_base + offs_n[None, :] * stride_knt + offs_dn[:, None],
+            mask=col_ok[None, :] & (offs_dn[:, None] < d_nope), other=0.0)
+        kp_t = tl.load(  # (BDR, BN) the shared rope key: no head offset
+            kp_base + offs_n[None, :] * stride_kpt + offs_dr[:, None],
+            mask=col_ok[None, :] & (offs_dr[:, None] < d_rope), other=0.0)
+        v = tl.load(  # (BN, BDV)
+            v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < d_v), other=0.0)
+        if UPCAST:
+            kn_t = kn_t.to(tl.float32)
+            kp_t = kp_t.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q_nope, kn_t, input_precision=PRECISION)
+        s += tl.dot(q_pe, kp_t, input_precision=PRECISION)
+        s = s * scale_log2  # (BM, BN)
+        if MASKED:
+            visible = col_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+            if HAS_SEGMENTS:
+                k_seg = tl.load(kseg_row + offs_n, mask=col_ok, other=-2)
+                visible = visible & (q_seg[:, None] == k_seg[None, :])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # (BM, BN)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _flash_mla_fwd_kernel(
     QN, QP, KN, KP, V, O, LSE, QSEG, KSEG, KVLO,
     stride_qb, stride_qh, stride_qt,
@@ -65,42 +114,31 @@ def _flash_mla_fwd_kernel(
     if CAUSAL:
         hi = tl.minimum(k_len, (pid_m + 1) * BLOCK_M + causal_shift)
     if HAS_SEGMENTS:
-        q_seg = tl.load(QSEG + b * q_len + offs_m, mask=row_ok, other=-1)
         first_key = tl.load(KVLO + b * q_len + offs_m, mask=row_ok, other=k_len)
         lo = (tl.min(first_key, axis=0) // BLOCK_N) * BLOCK_N
 
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key columns
-        col_ok = offs_n < k_len
-        kn_t = tl.load(  # (BDN, BN) key transposed
-            KN + b * stride_knb + h * stride_knh + offs_n[None, :] * stride_knt + offs_dn[:, None],
-            mask=col_ok[None, :] & (offs_dn[:, None] < d_nope), other=0.0)
-        kp_t = tl.load(  # (BDR, BN) the shared rope key: no head offset
-            KP + b * stride_kpb + offs_n[None, :] * stride_kpt + offs_dr[:, None],
-            mask=col_ok[None, :] & (offs_dr[:, None] < d_rope), other=0.0)
-        v = tl.load(  # (BN, BDV)
-            V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-            mask=col_ok[:, None] & (offs_dv[None, :] < d_v), other=0.0)
-        if UPCAST:
-            kn_t = kn_t.to(tl.float32)
-            kp_t = kp_t.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q_nope, kn_t, input_precision=PRECISION)
-        s += tl.dot(q_pe, kp_t, input_precision=PRECISION)
-        s = s * scale_log2  # (BM, BN)
-        visible = col_ok[None, :]
+    kn_base = KN + b * stride_knb + h * stride_knh
+    kp_base = KP + b * stride_kpb
+    v_base = V + b * stride_vb + h * stride_vh
+    q_seg = offs_m  # read only when HAS_SEGMENTS (set below)
+    if HAS_SEGMENTS:
+        q_seg = tl.load(QSEG + b * q_len + offs_m, mask=row_ok, other=-1)
+    # key tiles every row of this block sees whole (before the diagonal, inside the keys) skip the mask;
+    # with segments every tile is masked
+    full_hi = lo
+    if not HAS_SEGMENTS:
         if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-        if HAS_SEGMENTS:
-            k_seg = tl.load(KSEG + b * k_len + offs_n, mask=col_ok, other=-2)
-            visible = visible & (q_seg[:, None] == k_seg[None, :])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # (BM, BN)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+            full_hi = tl.minimum(hi, ((pid_m * BLOCK_M + causal_shift + 1) // BLOCK_N) * BLOCK_N)
+        else:
+            full_hi = (k_len // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_key_tiles(
+        acc, l_i, m_i, q_nope, q_pe, kn_base, kp_base, v_base, KSEG + b * k_len, q_seg, offs_m, lo, full_hi,
+        stride_knt, stride_kpt, stride_vt, k_len, d_nope, d_rope, d_v, causal_shift, scale_log2,
+        False, CAUSAL, HAS_SEGMENTS, UPCAST, PRECISION, BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV)
+    acc, l_i, m_i = _fwd_key_tiles(
+        acc, l_i, m_i, q_nope, q_pe, kn_base, kp_base, v_base, KSEG + b * k_len, q_seg, offs_m, full_hi, hi,
+        stride_knt, stride_kpt, stride_vt, k_len, d_nope, d_rope, d_v, causal_shift, scale_log2,
+        True, CAUSAL, HAS_SEGMENTS, UPCAST, PRECISION, BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows with no visible key output zeros
     acc = acc / l_safe[:, None]
@@ -210,6 +248,52 @@ def _flash_mla_bwd_dkv_kernel(
 
 
 @triton.jit
+def _dq_key_tiles(
+    dqn, dqp, qn, qp, do, lse, delta, kn_base, kp_base, v_base, kseg_row, q_seg, offs_m, start, stop,
+    stride_knt, stride_kpt, stride_vt, k_len, d_nope, d_rope, d_v, causal_shift, scale_log2,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEGMENTS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dQ over the key tiles [start, stop) of one query tile; MASKED False for tiles every row sees whole."""
+    offs_dn = tl.arange(0, BLOCK_DN)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < k_len
+        kn = tl.load(  # (BN, BDN)
+            kn_base + offs_n[:, None] * stride_knt + offs_dn[None, :],
+            mask=col_ok[:, None] & (offs_dn[None, :] < d_nope), other=0.0)
+        kp = tl.load(  # (BN, BDR) shared rope key
+            kp_base + offs_n[:, None] * stride_kpt + offs_dr[None, :],
+            mask=col_ok[:, None] & (offs_dr[None, :] < d_rope), other=0.0)
+        v = tl.load(  # (BN, BDV)
+            v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < d_v), other=0.0)
+        if UPCAST:
+            kn = kn.to(tl.float32)
+            kp = kp.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(qn, tl.trans(kn), input_precision=PRECISION)  # (BM, BN)
+        s += tl.dot(qp, tl.trans(kp), input_precision=PRECISION)
+        p = tl.exp2(s * scale_log2 - lse[:, None])  # (BM, BN)
+        if MASKED:
+            visible = col_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+            if HAS_SEGMENTS:
+                k_seg = tl.load(kseg_row + offs_n, mask=col_ok, other=-2)
+                visible = visible & (q_seg[:, None] == k_seg[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
+        ds = p * (dp - delta[:, None])
+        dqn += tl.dot(ds.to(kn.dtype), kn, input_precision=PRECISION)
+        dqp += tl.dot(ds.to(kp.dtype), kp, input_precision=PRECISION)
+    return dqn, dqp
+
+
+@triton.jit
 def _flash_mla_bwd_dq_kernel(
     QN, QP, KN, KP, V, DO, LSE, DELTA, QSEG, KSEG, KVLO, DQN, DQP,
     stride_qb, stride_qh, stride_qt,
@@ -254,40 +338,28 @@ def _flash_mla_bwd_dq_kernel(
     hi = k_len
     if CAUSAL:
         hi = tl.minimum(k_len, (pid_m + 1) * BLOCK_M + causal_shift)
+    q_seg = offs_m  # read only when HAS_SEGMENTS
     if HAS_SEGMENTS:
         q_seg = tl.load(QSEG + b * q_len + offs_m, mask=row_ok, other=-1)
         first_key = tl.load(KVLO + b * q_len + offs_m, mask=row_ok, other=k_len)
         lo = (tl.min(first_key, axis=0) // BLOCK_N) * BLOCK_N
-
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < k_len
-        kn = tl.load(  # (BN, BDN)
-            KN + b * stride_knb + h * stride_knh + offs_n[:, None] * stride_knt + offs_dn[None, :],
-            mask=col_ok[:, None] & (offs_dn[None, :] < d_nope), other=0.0)
-        kp = tl.load(  # (BN, BDR) shared rope key
-            KP + b * stride_kpb + offs_n[:, None] * stride_kpt + offs_dr[None, :],
-            mask=col_ok[:, None] & (offs_dr[None, :] < d_rope), other=0.0)
-        v = tl.load(  # (BN, BDV)
-            V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-            mask=col_ok[:, None] & (offs_dv[None, :] < d_v), other=0.0)
-        if UPCAST:
-            kn = kn.to(tl.float32)
-            kp = kp.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(qn, tl.trans(kn), input_precision=PRECISION)  # (BM, BN)
-        s += tl.dot(qp, tl.trans(kp), input_precision=PRECISION)
-        visible = col_ok[None, :] & row_ok[:, None]
+    full_hi = lo  # key tiles before full_hi need no mask (as in the forward); rows past q_len are never stored
+    if not HAS_SEGMENTS:
         if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-        if HAS_SEGMENTS:
-            k_seg = tl.load(KSEG + b * k_len + offs_n, mask=col_ok, other=-2)
-            visible = visible & (q_seg[:, None] == k_seg[None, :])
-        p = tl.where(visible, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)  # (BM, BN)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
-        ds = p * (dp - delta[:, None])
-        dqn += tl.dot(ds.to(kn.dtype), kn, input_precision=PRECISION)
-        dqp += tl.dot(ds.to(kp.dtype), kp, input_precision=PRECISION)
+            full_hi = tl.minimum(hi, ((pid_m * BLOCK_M + causal_shift + 1) // BLOCK_N) * BLOCK_N)
+        else:
+            full_hi = (k_len // BLOCK_N) * BLOCK_N
+    kn_base = KN + b * stride_knb + h * stride_knh
+    kp_base = KP + b * stride_kpb
+    v_base = V + b * stride_vb + h * stride_vh
+    dqn, dqp = _dq_key_tiles(
+        dqn, dqp, qn, qp, do, lse, delta, kn_base, kp_base, v_base, KSEG + b * k_len, q_seg, offs_m, lo, full_hi,
+        stride_knt, stride_kpt, stride_vt, k_len, d_nope, d_rope, d_v, causal_shift, scale_log2,
+        False, CAUSAL, HAS_SEGMENTS, UPCAST, PRECISION, BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV)
+    dqn, dqp = _dq_key_tiles(
+        dqn, dqp, qn, qp, do, lse, delta, kn_base, kp_base, v_base, KSEG + b * k_len, q_seg, offs_m, full_hi, hi,
+        stride_knt, stride_kpt, stride_vt, k_len, d_nope, d_rope, d_v, causal_shift, scale_log2,
+        True, CAUSAL, HAS_SEGMENTS, UPCAST, PRECISION, BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV)
 
     dq_rows = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt
     tl.store(DQN + dq_rows + offs_dn[None, :], (dqn * scale).to(DQN.dtype.element_ty),

@@ -45,11 +45,13 @@ INTERPRETER_CONFIG = FlashMLAConfig(block_m=32, block_n=32, bwd_block_m=16, bwd_
 
 # GPU candidates by padded head width (BLOCK_DN + BLOCK_DR + BLOCK_DV): wider heads hold more registers per row,
 # so they get shorter key tiles and more warps. (block_m, block_n, warps, stages) forward, then backward. Not yet
-# measured on a GPU (docs/benchmarks.md): the first entry of each list is what runs without autotuning.
+# measured on a GPU (docs/benchmarks.md): the first entry of each list is what runs without autotuning. Every
+# backward key tile is >= 64 rows: the dK/dV and dQ dots take it as their M dimension, and under 64 Triton cannot
+# use Hopper's wgmma (`kernels_bench.py --compile` lists each config's registers, spills and wgmma count).
 NARROW_FORWARD = [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 NARROW_BACKWARD = [(32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2)]
 WIDE_FORWARD = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)]
-WIDE_BACKWARD = [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2)]
+WIDE_BACKWARD = [(32, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2)]
 WIDE_HEADS = 256  # padded width above which a shape counts as wide (DeepSeek: 128 + 64 + 128 = 320)
 
 
@@ -172,8 +174,9 @@ def decode_num_splits(batch: int, head_groups: int, max_len: int, block_n: int, 
 
 
 def decode_blocks(num_heads: int, rank: int, interpreting: bool) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps) of the split-KV decode: a head tile whose float32 accumulator (BLOCK_H, r)
-    stays in registers, and cache tiles of 32 rows at r >= 512 else 64."""
+    """(BLOCK_H, BLOCK_N, num_warps) of the split-KV decode: heads per program (each head group re-reads the cache)
+    up to 64, but 32 when r > 256, where the (BLOCK_H, r) float32 accumulator of 64 heads spills registers on
+    sm_90 (`kernels_bench.py --compile`); cache tiles of 32 rows at r >= 512 else 64."""
     if interpreting:
         return 16, 16, 1
     block_h = min(32 if rank > 256 else 64, next_power_of_two(num_heads))
