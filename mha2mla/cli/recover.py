@@ -22,8 +22,8 @@ FLAGS = Flags(
               "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.train_norms", "distill_weight",
               "temperature", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",
               "keep_checkpoints_after_run",
-              "attn_implementation", "compute_dtype", "text_field", "seed", "generated_temperature",
-              "generated_top_p"),
+              "attn_implementation", "compute_dtype", "activation_checkpointing", "text_field", "seed",
+              "generated_temperature", "generated_top_p"),
     arguments=("model",),
     names={"learning_rate": ("--lr",), "lora.train_norms": ("--train-norms",)},
 )

@@ -92,6 +92,8 @@ class RecoverConfig(BaseModel):
         "auto", description="what the forwards and backwards compute in: bfloat16 (autocast over float32 trainable and "
         "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, float32 on a CPU "
         "(where bf16 recovery has not been measured within 2% of float32: docs/benchmarks.md)")
+    activation_checkpointing: bool = Field(False, description="keep only each decoder layer's input and recompute the "
+                                           "rest in the backward pass: less memory for about one more forward per step")
     eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: start and end only)")
     save_every: int = Field(50, ge=0, description="steps between checkpoints (0: none)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept in OUT/checkpoints while the run trains")
@@ -131,7 +133,8 @@ class RecoverConfig(BaseModel):
 
     def outcome_fields(self) -> dict:
         """Fields that must match between a run and its resumption (everything but runtime conveniences)."""
-        skip = {"out", "eval_every", "save_every", "keep_checkpoints", "keep_checkpoints_after_run"}
+        skip = {"out", "eval_every", "save_every", "keep_checkpoints", "keep_checkpoints_after_run",
+                "activation_checkpointing"}  # exact: the same gradients
         return {key: value for key, value in self.model_dump(mode="json").items() if key not in skip}
 
     @property

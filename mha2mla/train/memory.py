@@ -9,7 +9,9 @@ The rest is counted per process from what the run holds at its peak, a training 
 - gradients: float32, trainable parameters; optimizer: AdamW's two float32 moments per trainable parameter;
 - teacher: its parameters in the compute dtype (a GGUF teacher is counted as the student: same vocabulary and
   widths, only attention differs);
-- activations: what autograd keeps per token and decoder layer (:func:`saved_per_token`) over the micro-batch;
+- activations: what autograd keeps per token and decoder layer (:func:`saved_per_token`) over the micro-batch, and
+  one layer's worth more for the gradients the backward pass makes as it goes; with activation checkpointing, each
+  layer's input instead of the whole, and one layer recomputed;
 - logits: the lm_head losses' chunk temporaries (head_losses.py) plus the gradient of the final hidden states; under
   FSDP, whole logits (student, teacher, gradient) as ``logit_losses`` needs them;
 - data: the packed token rows (input ids and positions, int64).
@@ -89,7 +91,8 @@ def saved_per_token(model_config: dict, config: RecoverConfig) -> int:
     """Elements autograd keeps per token in one decoder layer of a converted (DeepSeek-V3 MLA) model: the two
     RMSNorms' inputs and outputs (3 x hidden each), the attention's projections (q, the latent and its norm, the
     per-head keys and values, the rotary copies, the padded value and the attention output SDPA saves) and the
-    MLP's gate, up, activation and product; LoRA adds its rank per adapted projection."""
+    MLP's gate, up, activation and product (the product only when the MLP trains: a frozen down projection keeps
+    no input); LoRA adds its rank per adapted projection."""
     hidden = model_config["hidden_size"]
     heads = model_config["num_attention_heads"]
     nope, rope = model_config.get("qk_nope_head_dim", 0), model_config.get("qk_rope_head_dim", 0)
@@ -99,7 +102,7 @@ def saved_per_token(model_config: dict, config: RecoverConfig) -> int:
     query = heads * (nope + rope)
     norms = 2 * 3 * hidden
     attention = 5 * query + heads * (nope + value) + heads * value + 3 * latent + 2 * rope
-    mlp = 4 * intermediate
+    mlp = (4 if config.full_layers else 3) * intermediate
     lora = 0 if config.adapter is None else 2 * config.adapter.rank * len(config.adapter.targets)
     return norms + attention + mlp + lora
 
@@ -114,7 +117,9 @@ def estimate(config: RecoverConfig, compute_dtype: str = "float32", world: int =
     tokens = config.batch_size * config.seq_len  # one micro-batch
     layers = model_config["num_hidden_layers"]
     hidden, vocab = model_config["hidden_size"], model_config["vocab_size"]
-    activations = tokens * (layers * saved_per_token(model_config, config) + 4 * hidden) * compute_bytes
+    per_layer = saved_per_token(model_config, config)
+    kept = layers * hidden + per_layer if config.activation_checkpointing else layers * per_layer
+    activations = tokens * (kept + per_layer + 4 * hidden) * compute_bytes
     teacher = 0
     if config.teacher is not None:
         teacher = (teacher_parameters if teacher_parameters is not None else total) * compute_bytes

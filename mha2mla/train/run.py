@@ -116,6 +116,8 @@ class RecoveryRun:
         set_seed(config.seed)  # before the LoRA weights are drawn
         student = load_student(config.model, config.attn_implementation, device_type=run_device().type,
                                compute_dtype=self.compute_dtype)
+        if config.activation_checkpointing:  # non-reentrant torch.utils.checkpoint per decoder layer
+            student.activation_checkpointing_enable()
         student = make_trainable(student, config.adapter, layers=config.full_layers)
         self.setup_training(student, teacher)
         open_run_folder(self)

@@ -1,6 +1,6 @@
 """The memory estimate of a recovery run (mha2mla/train/memory.py) against the memory a run really takes, measured
 in a fresh process: its peak resident set after the libraries are loaded, minus its resident set then. Two shapes
-(full layers; LoRA), float32, the test's whole run (setup, steps, export). ``recover --dry-run`` and the refusal
+(full layers, with and without activation checkpointing; LoRA), float32, the test's whole run (setup, steps, export). ``recover --dry-run`` and the refusal
 of a run that does not fit: one sentence, nothing written."""
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ print(json.dumps({"before": before, "peak": status("VmHWM:")}))
 SHAPES = {
     "full layers": ({"hidden_size": 384, "num_heads": 6, "kv_lora_rank": 64, "num_layers": 4, "vocab_size": 16384,
                      "intermediate_size": 1024}, {"full_layers": True, "seq_len": 256, "batch_size": 8}),
+    "full layers, activation checkpointing": (
+        {"hidden_size": 384, "num_heads": 6, "kv_lora_rank": 64, "num_layers": 4, "vocab_size": 16384,
+         "intermediate_size": 1024}, {"full_layers": True, "seq_len": 256, "batch_size": 8, "activation_checkpointing": True}),
     "lora": ({"hidden_size": 512, "num_heads": 8, "kv_lora_rank": 96, "num_layers": 6, "vocab_size": 32768,
               "intermediate_size": 1536}, {"lora": {"rank": 16}, "seq_len": 256, "batch_size": 4}),
 }
@@ -78,6 +81,7 @@ def test_the_estimate_is_within_20_percent_of_the_measured_peak(name, tmp_path):
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     used = measured["peak"] - measured["before"]
     estimated = estimate(RecoverConfig(**settings)).total
+    print(f"{name}: estimated {estimated / GIB:.3f} GiB, measured {used / GIB:.3f} GiB")  # shown with -s
     assert used > 100 * 2**20, used  # a shape whose run, not the process, is what is measured
     assert abs(estimated - used) <= 0.2 * used, f"estimated {estimated / GIB:.3f} GiB, measured {used / GIB:.3f} GiB"
 
