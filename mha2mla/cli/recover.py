@@ -17,7 +17,7 @@ from mha2mla.extras import require_extra
 from mha2mla.train.config import RecoverConfig
 
 FLAGS = Flags(
-    settings=("data", "out", "teacher", "eval_data", "max_tokens", "max_steps", "seq_len", "batch_size", "grad_accum",
+    settings=("data", "out", "teacher", "eval_data", "max_tokens", "max_steps", "max_time", "seq_len", "batch_size", "grad_accum",
               "learning_rate", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio", "full_attention", "full_layers",
               "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.train_norms", "distill_weight",
               "temperature", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",

@@ -6,6 +6,7 @@ docs/recover.md), its options and help generated from these fields (mha2mla/cli/
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +17,19 @@ SOURCE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the same budge
 TRAINABLE_NORMS = ("kv_a_layernorm",)
 # the settings of the retired ``mixed_precision`` key as compute dtypes: a run saved with it resumes (resume.py)
 LEGACY_MIXED_PRECISION = {"auto": "auto", "no": "float32", "bf16": "bfloat16"}
+
+
+DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*$")
+UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
+def duration_seconds(text: str) -> float:
+    """``"90"``, ``"90s"``, ``"80m"``, ``"1.5h"`` in seconds; anything else is a ValueError naming the forms."""
+    match = DURATION.match(str(text))
+    if not match or float(match[1]) <= 0:
+        raise ValueError(f"{text!r} is not a duration; give a positive number of seconds, or one ending in s, m or h "
+                         "(e.g. 80m, 1.5h)")
+    return float(match[1]) * UNIT_SECONDS[match[2]]
 
 
 class LoraSettings(BaseModel):
@@ -79,6 +93,9 @@ class RecoverConfig(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of the peak")
     max_steps: int | None = Field(None, ge=1, description="optimizer steps (wins over the token count)")
     max_tokens: int | None = Field(None, ge=1, description="training tokens over all processes")
+    max_time: str | None = Field(None, description="stop training before this much wall time has passed (90s, 80m, "
+                                 "1.5h; summed over resumptions), then evaluate and write the model as at the end; the "
+                                 "schedule still spans max_steps / max_tokens")
 
     # distillation
     distill_weight: float = Field(0.5, ge=0, le=1, description="weight of the KL term; 1 - weight goes to the LM loss")
@@ -107,6 +124,13 @@ class RecoverConfig(BaseModel):
         none."""
         return [value] if isinstance(value, str) else (value or None)
 
+    @field_validator("max_time")
+    @classmethod
+    def _duration(cls, value):
+        if value is not None:
+            duration_seconds(value)  # a ValueError naming the accepted forms
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> RecoverConfig:
         if self.max_steps is None and self.max_tokens is None:
@@ -119,6 +143,10 @@ class RecoverConfig(BaseModel):
     def adapter(self) -> LoraSettings | None:
         """The LoRA adapter to train, or None when parameters train in full (full_attention, full_layers)."""
         return None if self.full_attention or self.full_layers else self.lora
+
+    @property
+    def max_time_seconds(self) -> float | None:
+        return None if self.max_time is None else duration_seconds(self.max_time)
 
     @property
     def tokens_per_step(self) -> int:
@@ -134,7 +162,8 @@ class RecoverConfig(BaseModel):
     def outcome_fields(self) -> dict:
         """Fields that must match between a run and its resumption (everything but runtime conveniences)."""
         skip = {"out", "eval_every", "save_every", "keep_checkpoints", "keep_checkpoints_after_run",
-                "activation_checkpointing"}  # exact: the same gradients
+                "activation_checkpointing",  # exact: the same gradients
+                "max_time"}  # a resumed run may be given more time
         return {key: value for key, value in self.model_dump(mode="json").items() if key not in skip}
 
     @property

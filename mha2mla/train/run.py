@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from mha2mla.compute import resolve_compute_dtype, torch_dtype
 from mha2mla.train import checkpoint as ckpt
+from mha2mla.train.budget import TimeBudget
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.data import PackedSequences, RowOrder, target_mask
 from mha2mla.train.distributed import (
@@ -254,7 +255,8 @@ class RecoveryRun:
         self.model.train()
         self._progress = tqdm(total=total, initial=state["step"], disable=not (self.is_main and self.show_progress),
                               unit="step", dynamic_ncols=True, desc="recover")
-        while state["step"] < total:
+        budget = TimeBudget(config.max_time_seconds, state)
+        while state["step"] < total and not budget.spent(self.accelerator):
             started = time.perf_counter()
             result = self.train_step(self.next_batch())
             record_step(self, result, time.perf_counter() - started)
@@ -266,7 +268,7 @@ class RecoveryRun:
         self._progress.close()
         if not state["evaluations"] or state["evaluations"][-1]["step"] != state["step"]:
             evaluate_and_log(self, state["step"])
-        return recovery_report(self)
+        return {**recovery_report(self), "stopped_by_max_time": budget.stopped}
 
     # ------------------------------------------------------------------------------------------ the end
 
