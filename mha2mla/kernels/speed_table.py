@@ -2,7 +2,7 @@
 measurement shows it at least as fast as SDPA, forward and backward, for that GPU, compute dtype and head dims;
 SDPA everywhere else (docs/kernels.md, "recover's attention auto").
 
-The table is data: one row per measured shape, written from ``benchmarks/kernels_bench.py``'s JSON (its
+The table is data: one row per timed shape, written from ``benchmarks/kernels_bench.py``'s JSON (its
 ``speed_table_rows``, printed by ``benchmarks/gpu_check.sh``). It is empty until a GPU run fills it, so today
 ``auto`` is SDPA everywhere.
 """
