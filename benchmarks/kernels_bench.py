@@ -1,7 +1,7 @@
 """MLA kernel benchmark on one GPU: prefill/training TFLOP/s against torch SDPA, decode GB/s against HBM.
 
     python benchmarks/kernels_bench.py --json kernels_bench.json [--quick] [--hbm-tb-s 4.8]
-    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/kernels_bench.py --compile   # no GPU: resources per kernel config
+    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/kernels_bench.py --compile all   # no GPU: resources per kernel config
 
 Prints one JSON object per measurement, then a summary JSON object and a Markdown table.
 Shapes: DeepSeek-like (d_n 128, d_r 64, d_v 128, r 512, H 32..128) and SmolLM2-MLA (H 9, d_n 64,
@@ -154,9 +154,10 @@ def compile_resources(kernel, constexprs: dict, num_warps: int, num_stages: int)
             "shared_bytes": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async")}
 
 
-def compile_report() -> list[dict]:
-    """Every training-kernel candidate (mha2mla/kernels/tuning.py) and the decode's tiles at the benchmark head dims,
-    compiled for sm_90: what each would hold on an H200, before any GPU time is spent."""
+def compile_report(which: str = "all") -> list[dict]:
+    """Every training-kernel candidate (mha2mla/kernels/tuning.py; ``which`` "table": the first of each width only)
+    and the decode's tiles at the benchmark head dims, compiled for sm_90: what each would hold on an H200, before
+    any GPU time is spent."""
     from mha2mla.kernels import flash_mla_kernels as flash
     from mha2mla.kernels import tuning
     from mha2mla.kernels.decode import _decode_split_kernel
@@ -166,7 +167,8 @@ def compile_report() -> list[dict]:
     for label, (d_n, d_r, d_v) in (("smollm2-mla", (64, 32, 64)), ("deepseek", (128, 64, 128))):
         dims = {"BLOCK_DN": tuning.next_power_of_two(d_n), "BLOCK_DR": tuning.next_power_of_two(d_r),
                 "BLOCK_DV": tuning.next_power_of_two(d_v)}
-        for index, config in enumerate(tuning.flash_candidates(d_n, d_r, d_v, interpreting=False)):
+        candidates = tuning.flash_candidates(d_n, d_r, d_v, interpreting=False)
+        for index, config in enumerate(candidates[:1] if which == "table" else candidates):
             passes = (
                 ("forward", flash._flash_mla_fwd_kernel, config.block_m, config.block_n, config.num_warps,
                  config.num_stages),
@@ -228,12 +230,13 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
     parser.add_argument("--hbm-tb-s", type=float, default=4.8, help="HBM bandwidth of the GPU (H200: 4.8)")
-    parser.add_argument("--compile", action="store_true",
-                        help="no GPU needed: compile every kernel config for sm_90 and print its registers, spills, "
-                        "shared memory and wgmma count (TRITON_INTERPRET must be unset)")
+    parser.add_argument("--compile", choices=["all", "table"], default=None,
+                        help="no GPU needed: compile every kernel config (table: the first candidate per head width) "
+                        "for sm_90 and print its registers, spills, shared memory and wgmma count (TRITON_INTERPRET "
+                        "must be unset)")
     args = parser.parse_args(argv)
     if args.compile:
-        rows = compile_report()
+        rows = compile_report(args.compile)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(rows, handle, indent=2)
