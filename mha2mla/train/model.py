@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import warnings
 from pathlib import Path
@@ -14,6 +13,7 @@ from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import check_model_folder
 from mha2mla.io.source import load_gguf_model
 from mha2mla.modeling.sdpa import mla_attention_for
 from mha2mla.train.config import TRAINABLE_NORMS, LoraSettings
@@ -47,13 +47,8 @@ def resolve_attn_implementation(name: str, device_type: str = "cpu", compute_dty
 
 
 def read_model_config(folder: str | Path) -> dict:
-    path = Path(folder).expanduser()
-    if not (path / "config.json").is_file():
-        raise UserError(f"{folder} is not a model folder (no config.json); give the output folder of `mha2mla convert`.")
-    try:
-        return json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError:
-        raise UserError(f"{path / 'config.json'} is not valid JSON.") from None
+    """config.json of a model folder, every weight file checked to read back (mha2mla/io/model_folder.py)."""
+    return check_model_folder(folder, hint="give the output folder of `mha2mla convert`")
 
 
 def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
