@@ -1,4 +1,5 @@
-"""The recovery training text, derived from the held-out texts in the cache (docs/recover.md, "Healing SmolLM2").
+"""The texts as library code: the recovery training text derived from the held-out texts in the cache (docs/recover.md,
+"Healing SmolLM2"), and how the unseen-domain texts that ``make assets`` fetches are cleaned (docs/eval.md).
 
 The project's assets, one function per fact: the default model's GGUF file is ``mha2mla.io.cache.cached_default_model``,
 each held-out text's file ``mha2mla.io.cache.cached_held_out_text``, the evaluation slice of a text
