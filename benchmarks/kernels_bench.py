@@ -179,6 +179,8 @@ def compile_report(which: str = "all") -> list[dict]:
             )
             for name, kernel, block_m, block_n, warps, stages in passes:
                 constexprs = {**common, **dims, "BLOCK_M": block_m, "BLOCK_N": block_n}
+                if name == "dk/dv":
+                    constexprs["ONE_HEAD"] = True  # one head per program, the GPU's default
                 row = {"shape": label, "candidate": index, "kernel": name, "tiles": f"{block_m}x{block_n}",
                        "warps": warps, "stages": stages}
                 try:

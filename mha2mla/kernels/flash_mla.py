@@ -79,10 +79,10 @@ def _forward(q, k_nope, k_pe, v, scale, causal, segments, config: FlashMLAConfig
     return out, lse
 
 
-def _heads_per_program(config: FlashMLAConfig, key_blocks: int, batch: int, heads: int, device) -> int:
+def _heads_per_program(config: FlashMLAConfig, batch: int, heads: int, k_len: int, d_rope: int, device) -> int:
     if config.heads_per_program is not None:
         return max(1, min(heads, config.heads_per_program))
-    return dkv_heads_per_program(heads, key_blocks, batch, multiprocessor_count(device))
+    return dkv_heads_per_program(heads, batch, k_len, d_rope, multiprocessor_count(device))
 
 
 def _backward(dout, q, k_nope, k_pe, v, out, lse, scale, causal, segments, config: FlashMLAConfig):
@@ -103,7 +103,7 @@ def _backward(dout, q, k_nope, k_pe, v, out, lse, scale, causal, segments, confi
               "num_stages": config.bwd_num_stages}
 
     key_blocks = triton.cdiv(k_len, config.bwd_block_n)
-    per_program = _heads_per_program(config, key_blocks, batch, heads, q.device)
+    per_program = _heads_per_program(config, batch, heads, k_len, d_rope, q.device)
     groups = triton.cdiv(heads, per_program)
     dk_pe_parts = torch.empty(groups, batch, k_len, d_rope, device=q.device, dtype=torch.float32)  # per head group
     _flash_mla_bwd_dkv_kernel[(key_blocks, batch, groups)](
@@ -118,7 +118,7 @@ def _backward(dout, q, k_nope, k_pe, v, out, lse, scale, causal, segments, confi
         dk_nope.stride(0), dk_nope.stride(1), dk_nope.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         heads, per_program, q_len, k_len, d_nope, d_rope, d_v, scale * LOG2_E, scale,
-        CAUSAL=causal, HAS_SEGMENTS=has_segments,
+        CAUSAL=causal, HAS_SEGMENTS=has_segments, ONE_HEAD=per_program == 1,
         BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n, **blocks, **common,
     )
     _flash_mla_bwd_dq_kernel[(triton.cdiv(q_len, config.bwd_block_n), batch * heads)](

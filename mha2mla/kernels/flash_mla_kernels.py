@@ -148,6 +148,74 @@ def _flash_mla_fwd_kernel(
 
 
 @triton.jit
+def _dkv_one_head(
+    dkp, kp, h, b, offs_n, col_ok, lo, hi, k_seg,
+    QN, QP, KN, V, DO, LSE, DELTA, QSEG, DKN, DV,
+    stride_qb, stride_qh, stride_qt,
+    stride_knb, stride_knh, stride_knt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    stride_dknb, stride_dknh, stride_dknt,
+    stride_dvb, stride_dvh, stride_dvt,
+    num_heads, q_len, d_nope, d_rope, d_v, causal_shift, scale_log2, scale,
+    CAUSAL: tl.constexpr, HAS_SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dK_nope and dV of head h for one key block (stored), and its rope-key gradient added to dkp."""
+    offs_dn = tl.arange(0, BLOCK_DN)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kn = tl.load(  # (BN, BDN)
+        KN + b * stride_knb + h * stride_knh + offs_n[:, None] * stride_knt + offs_dn[None, :],
+        mask=col_ok[:, None] & (offs_dn[None, :] < d_nope), other=0.0)
+    v = tl.load(  # (BN, BDV)
+        V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
+        mask=col_ok[:, None] & (offs_dv[None, :] < d_v), other=0.0)
+    if UPCAST:
+        kn = kn.to(tl.float32)
+        v = v.to(tl.float32)
+    dkn = tl.zeros([BLOCK_N, BLOCK_DN], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query rows
+        row_ok = offs_m < q_len
+        q_rows = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt
+        qn = tl.load(QN + q_rows + offs_dn[None, :], mask=row_ok[:, None] & (offs_dn[None, :] < d_nope), other=0.0)
+        qp = tl.load(QP + q_rows + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < d_rope), other=0.0)
+        do = tl.load(
+            DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < d_v), other=0.0)
+        if UPCAST:
+            qn = qn.to(tl.float32)
+            qp = qp.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(LSE + (b * num_heads + h) * q_len + offs_m, mask=row_ok, other=0.0)  # (BM,)
+        delta = tl.load(DELTA + (b * num_heads + h) * q_len + offs_m, mask=row_ok, other=0.0)
+        s_t = tl.dot(kn, tl.trans(qn), input_precision=PRECISION)  # (BN, BM) scores transposed
+        s_t += tl.dot(kp, tl.trans(qp), input_precision=PRECISION)
+        visible = col_ok[:, None] & row_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_shift)
+        if HAS_SEGMENTS:
+            q_seg = tl.load(QSEG + b * q_len + offs_m, mask=row_ok, other=-1)
+            visible = visible & (k_seg[:, None] == q_seg[None, :])
+        p_t = tl.where(visible, tl.exp2(s_t * scale_log2 - lse[None, :]), 0.0)  # (BN, BM)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BN, BM)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dkn += tl.dot(ds_t.to(qn.dtype), qn, input_precision=PRECISION)
+        dkp += tl.dot(ds_t.to(qp.dtype), qp, input_precision=PRECISION)
+    tl.store(
+        DKN + b * stride_dknb + h * stride_dknh + offs_n[:, None] * stride_dknt + offs_dn[None, :],
+        (dkn * scale).to(DKN.dtype.element_ty), mask=col_ok[:, None] & (offs_dn[None, :] < d_nope))
+    tl.store(
+        DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :],
+        dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < d_v))
+    return dkp
+
+
+@triton.jit
 def _flash_mla_bwd_dkv_kernel(
     QN, QP, KN, KP, V, DO, LSE, DELTA, QSEG, KSEG, QHI, DKN, DKP, DV,
     stride_qb, stride_qh, stride_qt,
@@ -159,19 +227,17 @@ def _flash_mla_bwd_dkv_kernel(
     stride_dvb, stride_dvh, stride_dvt,
     num_heads, heads_per_program, q_len, k_len, d_nope, d_rope, d_v, scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One key tile of one sequence, for a group of heads: dK_nope and dV per head, and d k_pe summed
-    over the group's heads in registers, stored as the group's partial sum (groups, B, Tk, d_r): the host adds
-    the groups' partials after the kernel, so no two programs write the same rows."""
+    """One key tile of one sequence, for one head (ONE_HEAD) or a group of heads: dK_nope and dV per head, and
+    d k_pe summed over the group's heads in registers, stored as the group's partial sum (groups, B, Tk, d_r): the
+    host adds the groups' partials after the kernel, so no two programs write the same rows."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     pid_g = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) key rows of this program
-    offs_dn = tl.arange(0, BLOCK_DN)
     offs_dr = tl.arange(0, BLOCK_DR)
-    offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < k_len
     causal_shift = k_len - q_len
 
@@ -187,60 +253,33 @@ def _flash_mla_bwd_dkv_kernel(
     if CAUSAL:
         lo = tl.maximum(0, pid_n * BLOCK_N - causal_shift)
         lo = (lo // BLOCK_M) * BLOCK_M
+    k_seg = offs_n  # read only when HAS_SEGMENTS
     if HAS_SEGMENTS:
         k_seg = tl.load(KSEG + b * k_len + offs_n, mask=col_ok, other=-2)
         last_query = tl.load(QHI + b * k_len + offs_n, mask=col_ok, other=0)
         hi = tl.minimum(hi, tl.max(last_query, axis=0))
 
-    h_start = pid_g * heads_per_program
-    h_end = tl.minimum(num_heads, h_start + heads_per_program)
-    for h in range(h_start, h_end):
-        kn = tl.load(  # (BN, BDN)
-            KN + b * stride_knb + h * stride_knh + offs_n[:, None] * stride_knt + offs_dn[None, :],
-            mask=col_ok[:, None] & (offs_dn[None, :] < d_nope), other=0.0)
-        v = tl.load(  # (BN, BDV)
-            V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-            mask=col_ok[:, None] & (offs_dv[None, :] < d_v), other=0.0)
-        if UPCAST:
-            kn = kn.to(tl.float32)
-            v = v.to(tl.float32)
-        dkn = tl.zeros([BLOCK_N, BLOCK_DN], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query rows
-            row_ok = offs_m < q_len
-            q_rows = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt
-            qn = tl.load(QN + q_rows + offs_dn[None, :], mask=row_ok[:, None] & (offs_dn[None, :] < d_nope), other=0.0)
-            qp = tl.load(QP + q_rows + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < d_rope), other=0.0)
-            do = tl.load(
-                DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                mask=row_ok[:, None] & (offs_dv[None, :] < d_v), other=0.0)
-            if UPCAST:
-                qn = qn.to(tl.float32)
-                qp = qp.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(LSE + (b * num_heads + h) * q_len + offs_m, mask=row_ok, other=0.0)  # (BM,)
-            delta = tl.load(DELTA + (b * num_heads + h) * q_len + offs_m, mask=row_ok, other=0.0)
-            s_t = tl.dot(kn, tl.trans(qn), input_precision=PRECISION)  # (BN, BM) scores transposed
-            s_t += tl.dot(kp, tl.trans(qp), input_precision=PRECISION)
-            visible = col_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_shift)
-            if HAS_SEGMENTS:
-                q_seg = tl.load(QSEG + b * q_len + offs_m, mask=row_ok, other=-1)
-                visible = visible & (k_seg[:, None] == q_seg[None, :])
-            p_t = tl.where(visible, tl.exp2(s_t * scale_log2 - lse[None, :]), 0.0)  # (BN, BM)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BN, BM)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dkn += tl.dot(ds_t.to(qn.dtype), qn, input_precision=PRECISION)
-            dkp += tl.dot(ds_t.to(qp.dtype), qp, input_precision=PRECISION)
-        tl.store(
-            DKN + b * stride_dknb + h * stride_dknh + offs_n[:, None] * stride_dknt + offs_dn[None, :],
-            (dkn * scale).to(DKN.dtype.element_ty), mask=col_ok[:, None] & (offs_dn[None, :] < d_nope))
-        tl.store(
-            DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :],
-            dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < d_v))
+    # one head per program (the host's default on a GPU): no loop over heads, which makes the compiler spill
+    # registers (`kernels_bench.py --compile`); else the heads of the group in turn, dkp summed over them
+    if ONE_HEAD:
+        dkp = _dkv_one_head(
+            dkp, kp, pid_g, b, offs_n, col_ok, lo, hi, k_seg,
+            QN, QP, KN, V, DO, LSE, DELTA, QSEG, DKN, DV,
+            stride_qb, stride_qh, stride_qt, stride_knb, stride_knh, stride_knt, stride_vb, stride_vh, stride_vt,
+            stride_dob, stride_doh, stride_dot, stride_dknb, stride_dknh, stride_dknt, stride_dvb, stride_dvh, stride_dvt,
+            num_heads, q_len, d_nope, d_rope, d_v, causal_shift, scale_log2, scale,
+            CAUSAL, HAS_SEGMENTS, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV)
+    else:
+        h_start = pid_g * heads_per_program
+        h_end = tl.minimum(num_heads, h_start + heads_per_program)
+        for h in range(h_start, h_end):
+            dkp = _dkv_one_head(
+                dkp, kp, h, b, offs_n, col_ok, lo, hi, k_seg,
+                QN, QP, KN, V, DO, LSE, DELTA, QSEG, DKN, DV,
+                stride_qb, stride_qh, stride_qt, stride_knb, stride_knh, stride_knt, stride_vb, stride_vh, stride_vt,
+                stride_dob, stride_doh, stride_dot, stride_dknb, stride_dknh, stride_dknt, stride_dvb, stride_dvh, stride_dvt,
+                num_heads, q_len, d_nope, d_rope, d_v, causal_shift, scale_log2, scale,
+                CAUSAL, HAS_SEGMENTS, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV)
 
     # this group's partial d k_pe: (groups, B, Tk, d_r) fp32, contiguous
     dkp_ptrs = DKP + ((pid_g * tl.num_programs(1) + b) * k_len + offs_n[:, None]) * d_rope + offs_dr[None, :]

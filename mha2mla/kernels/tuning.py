@@ -9,8 +9,8 @@ Pure Python (no Triton), so every choice is unit-tested on the CPU:
 - :func:`decode_num_splits`: how many slices of the cache the split-KV decode cuts each sequence into, from
   batch x head groups x length and the GPU's multiprocessor count, so one wave of programs fills the GPU; the
   slices are merged in one combine pass.
-- :func:`dkv_heads_per_program`: how many heads one dK/dV program walks (the rope key's gradient is summed over
-  them in registers; head groups write per-group partial sums that one reduction adds, no atomics).
+- :func:`dkv_heads_per_program`: how many heads one dK/dV program walks (one on a GPU; each head group writes
+  its partial sum of the rope key's gradient, which one reduction adds: no atomics).
 """
 
 from __future__ import annotations
@@ -136,13 +136,17 @@ class ConfigCache:
         return self.best[key]
 
 
-def dkv_heads_per_program(heads: int, key_blocks: int, batch: int, multiprocessors: int | None) -> int:
-    """Heads one dK/dV program walks: all of them (one partial sum of the rope key's gradient) unless key blocks
-    x batch leave the GPU under two programs per multiprocessor; then the heads are cut into as many groups as
-    fill it. ``multiprocessors`` None (CPU / interpreter): all heads."""
+def dkv_heads_per_program(heads: int, batch: int, k_len: int, d_rope: int, multiprocessors: int | None,
+                          max_partial_bytes: int = 1 << 30) -> int:
+    """Heads one dK/dV program walks. On a GPU one: a loop over heads makes the compiler spill registers in that
+    kernel (`kernels_bench.py --compile`), and one head per program is the forward's grid; each head then stores
+    its own partial rope-key gradient, (heads, B, Tk, d_r) float32 added up after the kernel. Only when that
+    buffer would pass ``max_partial_bytes`` are heads grouped, as few per program as keeps it under.
+    ``multiprocessors`` None (CPU / interpreter): all heads in one program (one partial)."""
     if multiprocessors is None:
         return heads
-    groups = min(heads, max(1, -(-2 * multiprocessors // (key_blocks * batch))))
+    per_head = batch * k_len * d_rope * 4
+    groups = max(1, min(heads, max_partial_bytes // max(1, per_head)))
     return -(-heads // groups)
 
 

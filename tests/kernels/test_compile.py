@@ -35,5 +35,5 @@ def test_kernels_compile_for_sm90_with_tensor_cores(tmp_path):
         assert 0 < row["registers"] <= 255 and row["shared_bytes"] <= H100_SHARED_MEMORY, row
         if row["kernel"] != "decode split" or row["tiles"].startswith("64"):
             assert row["wgmma"] > 0, row  # the dots run on Hopper's tensor cores
-        if row["kernel"] == "forward":
-            assert row["local_bytes"] == 0, row  # the forward never spills registers
+        if row["kernel"] == "forward" or (row["kernel"] == "dk/dv" and row["shape"] == "smollm2-mla"):
+            assert row["local_bytes"] == 0, row  # no spilled registers (one head per dK/dV program)

@@ -106,11 +106,12 @@ def test_decode_splits_are_the_cost_models_best():
 
 
 def test_dkv_heads_per_program():
-    assert tuning.dkv_heads_per_program(9, 32, 4, None) == 9  # CPU: one group
-    assert tuning.dkv_heads_per_program(9, 128, 4, SMS) == 9  # 512 programs fill the GPU: all heads in one
-    assert tuning.dkv_heads_per_program(9, 64, 4, SMS) == 5  # 256 < 2 x 132: two groups
-    assert tuning.dkv_heads_per_program(128, 32, 1, SMS) == 15  # 32 key blocks: 9 groups (264 / 32), 15 heads each
-    assert tuning.dkv_heads_per_program(2, 1, 1, SMS) == 1  # never fewer than one head
+    assert tuning.dkv_heads_per_program(9, 4, 2048, 32, None) == 9  # CPU: one program walks every head
+    assert tuning.dkv_heads_per_program(9, 4, 2048, 32, SMS) == 1  # GPU: one head per program
+    assert tuning.dkv_heads_per_program(128, 1, 4096, 64, SMS) == 1  # 128 partials of 1 MiB each
+    # partials past the cap: as few heads per program as keeps them under it (1 MiB per head, 64 MiB: 2 heads each)
+    assert tuning.dkv_heads_per_program(128, 1, 4096, 64, SMS, max_partial_bytes=64 << 20) == 2
+    assert tuning.dkv_heads_per_program(128, 8, 4096, 64, SMS, max_partial_bytes=4 << 20) == 128  # under one head's
 
 
 @pytest.mark.parametrize("width", ["narrow", "wide"])
