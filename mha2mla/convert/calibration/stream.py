@@ -32,6 +32,7 @@ from mha2mla.convert.output.target_config import deepseek_config_object
 from mha2mla.convert.plan.resolve import ConversionPlan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.devices import resolve_device
+from mha2mla.modeling.sdpa import register_padded_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ def _modules(config: dict, plan: ConversionPlan) -> _Modules:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(source_config)
     target_config = deepseek_config_object(plan, config)
-    target_config._attn_implementation = "sdpa"
+    # the value head is narrower than the query/key head: plain sdpa would take its math path, the padded value
+    # runs the fused kernel (modeling/sdpa.py); steps that need the probabilities switch to eager (modeling/eager.py)
+    target_config._attn_implementation = register_padded_sdpa()
     return _Modules(source_config=source_config, target_config=target_config, layer_class=type(skeleton.model.layers[0]),
                     source_rotary=type(skeleton.model.rotary_emb)(config=source_config),
                     target_rotary=deepseek.DeepseekV3RotaryEmbedding(config=target_config))

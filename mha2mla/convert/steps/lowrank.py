@@ -125,27 +125,33 @@ def regression_up(rows: torch.Tensor, cov: torch.Tensor, down: torch.Tensor) -> 
     """The best ``U`` for ``rows x ≈ U (down x)`` over inputs with second moment ``cov``."""
     # a relative ridge on the inputs keeps the regression well posed when ``cov`` is rank-deficient (few
     # calibration tokens): a latent that spans ``rows`` then still reproduces them exactly
-    cov = cov + 1e-9 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype)
-    gram = down @ cov @ down.T  # a latent channel that is identically zero (e.g. an empty K) gets U = 0
-    return (torch.linalg.pinv(gram, rtol=1e-12, hermitian=True) @ (down @ cov @ rows.T)).T
+    cov = cov + 1e-9 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
+    weighted = down @ cov  # (r, D): the one r·D² product, shared by both sides
+    gram = weighted @ down.T  # a latent channel that is identically zero (e.g. an empty K) gets U = 0
+    return (torch.linalg.pinv(gram, rtol=1e-12, hermitian=True) @ (weighted @ rows.T)).T
 
 
-def optimise_down(prepared, down: torch.Tensor, steps: int, lr: float = 1e-2) -> torch.Tensor:
+def optimise_down(prepared, down: torch.Tensor, steps: int, lr: float = 1e-2, device=None) -> torch.Tensor:
     """Latent rows ``W`` maximising Σ_b w_b · captured_b, where block b (rows T_b, input second moment
     Σ_b, weight w_b) regressed on W x captures tr((WΣ_bWᵀ)⁻¹ W Σ_b T_bᵀ T_b Σ_b Wᵀ). ``prepared`` holds per
-    block (Σ_b, A_b = Σ_b T_bᵀ, w_b) in float32: W Σ Tᵀ T Σ Wᵀ = (W A)(W A)ᵀ, a thin product instead of a D × D one."""
+    block (Σ_b, A_b = Σ_b T_bᵀ, w_b) in float32: W Σ Tᵀ T Σ Wᵀ = (W A)(W A)ᵀ, a thin product instead of a D × D one.
+    The steps run on ``device`` (the layer's calibration device; ``down``'s when None), with no host sync."""
+    device = down.device if device is None else torch.device(device)
+    prepared = [(cov.to(device), thin.to(device), weight) for cov, thin, weight in prepared]
     q, _ = torch.linalg.qr(down.T)
-    latent = q.T.float().clone().requires_grad_(True)  # orthonormal rows spanning the initial latent
-    optimizer = torch.optim.Adam([latent], lr=lr)
+    latent = q.T.float().to(device).clone().requires_grad_(True)  # orthonormal rows spanning the initial latent
+    # fused Adam keeps its step count on the device, and solve_ex skips solve's error check: no host sync per step
+    optimizer = torch.optim.Adam([latent], lr=lr, fused=device.type in ("cpu", "cuda"))
     for _ in range(steps):
         optimizer.zero_grad()
         captured = 0.0
         for cov, thin, weight in prepared:
             read = latent @ thin  # (r, rows)
-            captured = captured + weight * torch.trace(torch.linalg.solve(latent @ cov @ latent.T, read @ read.T))
+            solved = torch.linalg.solve_ex(latent @ cov @ latent.T, read @ read.T, check_errors=False).result
+            captured = captured + weight * torch.trace(solved)
         (-captured).backward()
         optimizer.step()
-    return latent.detach().to(down.dtype)
+    return latent.detach().to(down.device, down.dtype)
 
 
 def row_space_basis(k_weight: torch.Tensor, v_weight: torch.Tensor) -> torch.Tensor | None:
@@ -175,7 +181,7 @@ def weighted_energy(rows: torch.Tensor, cov: torch.Tensor) -> float:
 
 
 def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_covariances, key_covariances=None,
-                             steps: int = LATENT_STEPS, key_row_weight=None, basis=None):
+                             steps: int = LATENT_STEPS, key_row_weight=None, basis=None, device=None):
     """Latent and per-query-head up-projections fitted where the errors are seen.
 
     A value error reaches the output only through attention averages: head h reads x̄_h,i = Σ_j p_hij x_j,
@@ -186,12 +192,13 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
     key_nope, value: (G, d, D); input_covariance (D, D); the per-head covariances (H, m, m) in the
     coordinates of ``basis`` (m, D) — the K/V row space — or (H, D, D) when ``basis`` is None. With a basis the
     latent is sought in that row space, where the activation PCA's latent lies.
+    The latent's refinement runs on ``device`` (None: the CPU the statistics are on).
     Returns (up_k (H, d, r), up_v (H, d, r), down (r, D))."""
     if basis is not None:
         basis = basis.to(key_nope.dtype)
         up_k, up_v, down = attention_aware_low_rank(
             to_basis(key_nope, basis), to_basis(value, basis), rank, basis @ input_covariance @ basis.T,
-            value_covariances, key_covariances, steps, key_row_weight)
+            value_covariances, key_covariances, steps, key_row_weight, device=device)
         return up_k, up_v, down @ basis
     G, d, D = value.shape
     H = value_covariances.shape[0]
@@ -218,10 +225,20 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
                     prepared.append((*blocks["key"][g], 1.0 / energy["key"]))
                 prepared.append((*blocks["value"][g], 1.0 / energy["value"]))
             with threads(THREADS):  # float32 products: every thread
-                down = optimise_down(prepared, down, steps)
-        up_k = torch.stack([regression_up(key_nope[h // per], key_covariances[h].to(dtype), down) for h in range(H)])
-        up_v = torch.stack([regression_up(value[h // per], value_covariances[h].to(dtype), down) for h in range(H)])
+                down = optimise_down(prepared, down, steps, device=device)
+        up_k = _head_regressions(key_nope, key_covariances, down, dtype, device)
+        up_v = _head_regressions(value, value_covariances, down, dtype, device)
     return up_k, up_v, down
+
+
+def _head_regressions(rows: torch.Tensor, moments: torch.Tensor, down: torch.Tensor, dtype, device) -> torch.Tensor:
+    """(H, d, r): each query head's up-projection of its group's ``rows`` (G, d, m) on its own moment (H, m, m), an
+    r·m² product in ``dtype`` each, on ``device`` (None: where the moments are), one head's moment moved at a time."""
+    per = moments.shape[0] // rows.shape[0]
+    place = (lambda tensor: tensor) if device is None else (lambda tensor: tensor.to(device))
+    latent = place(down)
+    return torch.stack([regression_up(place(rows[h // per]), place(moments[h]).to(dtype), latent).to(down.device)
+                        for h in range(moments.shape[0])])
 
 
 # ---- lowrank: fills work.latent from the NoPE keys (work.rope) and the values, read as work.query reads them
@@ -267,5 +284,6 @@ def attention_latent(work: LayerWork) -> None:
     cov = require(stats.input_covariance, "input covariance", "attention-aware low rank").to(torch.float64)
     values = require(stats.value_covariances, "value covariances", "attention-aware low rank")
     up_k, up_v, down = attention_aware_low_rank(key_nope, value, work.plan.latent_rank, cov, values, stats.key_covariances,
-                                                key_row_weight=work.query.key_row_weight, basis=stats.moment_basis)
+                                                key_row_weight=work.query.key_row_weight, basis=stats.moment_basis,
+                                                device=None if work.activations is None else work.activations.device)
     work.latent = Latent(up_k=up_k, up_v=up_v, down=down)

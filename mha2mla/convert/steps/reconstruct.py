@@ -113,14 +113,22 @@ class _Worker:
 
 @torch.no_grad()
 def _held_out_error(module, data, held_out: range) -> float:
-    num = den = 0.0
+    """The relative error on the held-out sequences: summed on the data's device, read back once (one host sync)."""
+    wide = torch.float32 if data.y.device.type == "mps" else torch.float64  # MPS has no float64
+    num = torch.zeros((), dtype=wide, device=data.y.device)
+    den = torch.zeros((), dtype=wide, device=data.y.device)
     for start in range(held_out.start, held_out.stop, BATCH_SEQUENCES):
         index = slice(start, min(start + BATCH_SEQUENCES, held_out.stop))
-        cos, sin = data.position_embeddings
-        out = module(data.x[index], position_embeddings=(cos, sin), attention_mask=data.attention_mask)[0]
-        num += float((out.float() - data.y[index]).pow(2).sum())
-        den += float(data.y[index].pow(2).sum())
-    return (num / max(den, 1e-30)) ** 0.5
+        out = module(data.x[index], position_embeddings=data.position_embeddings, attention_mask=data.attention_mask)[0]
+        num += (out.float() - data.y[index]).pow(2).sum()
+        den += data.y[index].pow(2).sum()
+    return float((num / den.clamp_min(1e-30)).sqrt())
+
+
+def _batches(num_train: int, seed: int) -> torch.Tensor:
+    """(MAX_STEPS, BATCH_SEQUENCES) training sequence indices, drawn up front: each step's a random subset."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_train, generator=generator)[:BATCH_SEQUENCES] for _ in range(MAX_STEPS)])
 
 
 def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, seed: int = 0,
@@ -134,18 +142,21 @@ def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, 
     train, held_out = range(0, N - held), range(N - held, N)
     params, masks = _trainable(module, exact)
     scales = [float(p.detach().pow(2).mean().sqrt().clamp_min(1e-8)) for p in params]
-    optimizer = torch.optim.Adam([{"params": [p], "lr": LEARNING_RATE * s} for p, s in zip(params, scales)])
+    # fused Adam keeps its step counts on the parameters' device: no host sync per step (the plain one reads them)
+    fused = data.x.device.type in ("cpu", "cuda")
+    optimizer = torch.optim.Adam([{"params": [p], "lr": LEARNING_RATE * s} for p, s in zip(params, scales)], fused=fused)
     peaks = [group["lr"] for group in optimizer.param_groups]
     named = dict(module.named_parameters())
     worker = _Worker(module, compute_dtype)
     best_error = before = _held_out_error(worker.module, data, held_out)
+    curve = [before]  # the held-out error at each measurement
     best_state = {name: p.detach().clone() for name, p in named.items()}
-    generator = torch.Generator().manual_seed(seed)
+    batches = _batches(len(train), seed).to(data.x.device)  # (MAX_STEPS, BATCH_SEQUENCES): one copy to the device
     steps, waited = 0, 0
     module.train(False)
     while steps < MAX_STEPS and waited < PATIENCE:
         for _ in range(EVAL_EVERY):
-            batch = torch.tensor(train)[torch.randperm(len(train), generator=generator)[:BATCH_SEQUENCES]].to(data.x.device)
+            batch = batches[steps]
             factor = min(1.0, (steps + 1) / WARMUP_STEPS) * 0.5 * (1 + math.cos(math.pi * steps / MAX_STEPS))
             for group, peak in zip(optimizer.param_groups, peaks):
                 group["lr"] = peak * factor
@@ -158,6 +169,7 @@ def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, 
             worker.refresh()
             steps += 1
         error = _held_out_error(worker.module, data, held_out)
+        curve.append(error)
         if error < best_error:
             best_error, waited = error, 0
             best_state = {name: p.detach().clone() for name, p in named.items()}
@@ -168,7 +180,7 @@ def reconstruct(module: torch.nn.Module, data: ReconstructionData, exact: bool, 
             p.copy_(best_state[name])
             p.requires_grad_(False)
     return {"reconstruction_error": before, "reconstruction_error_after": best_error, "reconstruction_steps": steps,
-            "reconstruction_seconds": round(time.time() - started, 2)}
+            "reconstruction_curve": [round(error, 5) for error in curve], "reconstruction_seconds": round(time.time() - started, 2)}
 
 
 @register("reconstruct", "gradient", needs_activations=True)

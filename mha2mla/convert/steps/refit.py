@@ -46,9 +46,9 @@ class ValueMoments:
     def solve(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The refitted value rows (H, d, r) of ``kv_b`` (H·2d, r) and the report."""
         H, d, r = self.cross.shape[1:]
-        current = kv_b.to(F64).view(H, 2 * d, r)[:, d:].cpu()
-        values, report = ridge_refit(current, self.cross.cpu(), self.gram.cpu(), self.energy.cpu())
-        return values, {"v_output_error": report["error"], "v_output_error_refit": report["error_refit"],
+        current = kv_b.to(self.cross.device, F64).view(H, 2 * d, r)[:, d:]
+        values, report = ridge_refit(current, self.cross, self.gram, self.energy)  # on the moments' device
+        return values.cpu(), {"v_output_error": report["error"], "v_output_error_refit": report["error_refit"],
                         "v_refit_ridge": report["ridge"]}
 
 
@@ -70,9 +70,9 @@ class OutputMoments:
 
     def solve(self, o_weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The refitted o_proj (D, H·d) and the report."""
-        refitted, report = ridge_refit(o_weight.to(F64).cpu()[None], self.cross.cpu()[:, None], self.gram.cpu()[:, None],
-                                       self.energy.cpu())
-        return refitted[0], {"o_output_error": report["error"], "o_output_error_refit": report["error_refit"],
+        refitted, report = ridge_refit(o_weight.to(self.cross.device, F64)[None], self.cross[:, None],
+                                       self.gram[:, None], self.energy)  # on the moments' device
+        return refitted[0].cpu(), {"o_output_error": report["error"], "o_output_error_refit": report["error_refit"],
                              "o_refit_ridge": report["ridge"]}
 
 
