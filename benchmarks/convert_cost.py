@@ -3,9 +3,12 @@
     OMP_NUM_THREADS=2 python benchmarks/convert_cost.py --kv-budget 0.3125                # whole SmolLM2-135M
     OMP_NUM_THREADS=2 python benchmarks/convert_cost.py --kv-budget 0.125 --quality      # + held-out perplexity
     OMP_NUM_THREADS=1 python benchmarks/convert_cost.py --shape llama3-8b --layers 1      # one layer, Llama-3-8B widths
+    OMP_NUM_THREADS=1 python benchmarks/convert_cost.py --first-layers 4 --quality --windows 8   # a cut SmolLM2
 
 The source is the cached SmolLM2-135M-Instruct (``make assets``; ``--model`` for another) or, with ``--shape``, a
-random-weight source with the real layer widths built by benchmarks/scale.py (its vocabulary of ``--vocab`` tokens).
+random-weight source with the real layer widths built by benchmarks/scale.py (its vocabulary of ``--vocab`` tokens);
+``--first-layers N`` cuts the source after its first N decoder layers (embedding, final norm and LM head kept), a
+real model's per-layer work at a fraction of the time.
 
 The **floor** is one forward of the whole source (embedding, every decoder layer, final norm, LM head) over the
 very calibration tokens the conversion reads, in the conversion's compute dtype, threads and batch size (logits
@@ -187,6 +190,28 @@ def _perplexity(folder: Path, windows: int) -> dict:
             for name in HELD_OUT_TEXTS}
 
 
+def first_layers(source: Path, layers: int, folder: Path) -> Path:
+    """A source made of ``source``'s first ``layers`` decoder layers (its own embedding, final norm, LM head and
+    tokenizer): the same per-layer work at a fraction of the time (reused when already built)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text())["num_hidden_layers"] == layers:
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    if layers > len(model.model.layers):
+        raise SystemExit(f"--first-layers {layers}: the source has {len(model.model.layers)} layers")
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        if (source / name).is_file():
+            shutil.copy2(source / name, folder / name)
+    return folder
+
+
 def markdown(row: dict) -> str:
     floor, convert = row["floor_seconds"], row["conversion"]
     lines = ["| measured | seconds | share of the conversion | × floor |", "|---|---:|---:|---:|",
@@ -204,6 +229,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shape", default=None, help="a random-weight source of benchmarks/scale.py (llama3-8b, ...)")
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of a --shape source")
     parser.add_argument("--vocab", type=int, default=4096, help="vocabulary of a --shape source")
+    parser.add_argument("--first-layers", type=int, default=None,
+                        help="convert only the source's first N decoder layers (a source cut there; labelled so)")
     parser.add_argument("--kv-budget", type=float, default=None, help="convert's --kv-budget (default: its own)")
     parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--calib-samples", type=int, default=None, help="convert's --calib-samples (default: its own)")
@@ -232,12 +259,16 @@ def main(argv=None) -> int:
         source = build_source(args.shape, args.layers, args.vocab, torch.bfloat16, folder)
     else:
         source = resolve_source(args.model or cached_default_model())
+    if args.first_layers:
+        source = first_layers(source, args.first_layers, cache_dir() / "convert_cost" / f"{source.name}-first-{args.first_layers}")
     options = ConvertOptions(kv_budget=args.kv_budget, compute_dtype=args.compute_dtype,
                              calib_samples=args.calib_samples, calib_device=args.calib_device)
     floor, floor_info = floor_seconds(source, options)
-    row = {"source": str(source), "shape": args.shape or "SmolLM2-135M", "kv_budget": options.budget,
+    row = {"source": str(source), "shape": args.shape or "SmolLM2-135M", "first_layers": args.first_layers,
+           "kv_budget": options.budget,
            "threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
            "load_average": os.getloadavg(), "floor_seconds": round(floor, 2), "floor": floor_info}
+    print(json.dumps(row), flush=True)  # the floor first: a conversion stopped later still leaves it
     row["conversion"] = conversion(source, options, args.work, args.quality, args.windows)
     row["conversion_over_floor"] = round(row["conversion"]["seconds"] / floor, 2)
     row["load_average_after"] = os.getloadavg()
