@@ -38,6 +38,9 @@ class _HeadLosses(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         parts = torch.zeros(2, device=hidden.device)  # weighted LM and KL sums
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):  # cast once, not per chunk: autocast would cast it to this dtype anyway
+            weight = weight.to(torch.get_autocast_dtype(device))
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             logits = F.linear(hidden[start:end], weight)  # (C, V), in the autocast dtype as lm_head computes it
