@@ -8,7 +8,7 @@ The one implementation behind every output folder: ``convert``'s OUT (mha2mla/co
   (no write bit, even for root) is left alone.
 - An existing OUT is replaced only when it is empty, or, with --force, when mha2mla wrote it: it holds one of
   :data:`MARKERS` (every output folder gets one) and nothing else than what mha2mla wrote there: the names its
-  :data:`MANIFEST` lists (written into every output folder), a recover run's checkpoints and logs, and, for a folder
+  list in mha2mla/io/written.py (written into every output folder), a recover run's checkpoints and logs, and, for a folder
   written before manifests existed, the file names a conversion writes. A folder holding anything else (the user's
   notes, a results folder) is refused with the names, --force or not, so no user file is ever deleted.
 - The new folder is written next to OUT under a hidden name carrying the writer's PID and host
@@ -32,25 +32,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVER_CONFIG, RECOVERY_REPORT
+from mha2mla.io.written import MANIFEST, foreign_entries, is_ours, write_manifest
 
 log = logging.getLogger(__name__)
 
-# A folder holding one of these was written by mha2mla (convert, recover's export, a recover run folder).
-MARKERS = (CONVERSION_REPORT, RECOVERY_REPORT, RECOVER_CONFIG)
-
-# The top-level names mha2mla wrote into an output folder, one per line; written last into the staging folder.
-MANIFEST = ".mha2mla-files"
-# What a recover run folder accumulates while it trains (mha2mla/train/checkpoint.py, log.py): ours without a manifest.
-_RUN_ENTRIES = re.compile(r"^(step-\d+|checkpoints|train_log\.jsonl|recover_config\.json)$")
-# What a conversion writes (a folder written before manifests existed has no list of its own): config, weights,
-# tokenizer, card, reports.
-_OUTPUT_ENTRIES = re.compile(
-    r"^(config\.json|generation_config\.json|README\.md|conversion_report\.json|recovery_report\.json|"
-    r"(model|absorbed)(-\d+-of-\d+)?\.safetensors|(model|absorbed)\.safetensors\.index\.json|absorbed\.json|"
-    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|tokenizer\.model|vocab\.json|merges\.txt|"
-    r"added_tokens\.json|chat_template\.jinja|chat_template\.json)$"
-)
 _STAGED = re.compile(r"^\.(?P<name>.+)\.mha2mla-(?P<kind>tmp|old)\.(?P<pid>\d+)\.(?P<host>[A-Za-z0-9-]+)\.[0-9a-f]+$")
 _WRITE_HINTS = {
     errno.ENOSPC: "free some space or write to another disk",
@@ -103,11 +88,6 @@ def remove_stale(folder: Path) -> None:
         else:
             path.unlink(missing_ok=True)
         log.info("removed %s, left by a run that was killed", path)
-
-
-def is_ours(folder: Path) -> bool:
-    """True when ``folder`` carries one of mha2mla's MARKERS."""
-    return any((Path(folder) / marker).is_file() for marker in MARKERS)
 
 
 def first_existing(target: Path) -> Path:
@@ -167,32 +147,6 @@ def check_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | 
     if out.is_dir() and read_only(out):
         raise UserError(f"{name} {out} is read-only; make it writable (chmod u+w) or choose another {name}.")
     check_parent(out, target, name)
-
-
-def written_names(folder: Path) -> set[str] | None:
-    """The names :data:`MANIFEST` lists, or None when the folder has none (written before manifests existed)."""
-    try:
-        return set((Path(folder) / MANIFEST).read_text(encoding="utf-8").split("\n")) - {""}
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def foreign_entries(folder: Path) -> list[str]:
-    """The entries of an mha2mla output folder that mha2mla did not write there (sorted; folders end in /)."""
-    folder = Path(folder)
-    listed = written_names(folder)
-    foreign = []
-    for entry in sorted(folder.iterdir()):
-        known = entry.name in listed if listed is not None else bool(_OUTPUT_ENTRIES.match(entry.name))
-        if not (known or entry.name == MANIFEST or _RUN_ENTRIES.match(entry.name)):
-            foreign.append(entry.name + ("/" if entry.is_dir() and not entry.is_symlink() else ""))
-    return foreign
-
-
-def write_manifest(folder: Path) -> None:
-    """List ``folder``'s top-level entries as mha2mla's own (what a later --force may replace)."""
-    names = sorted(entry.name for entry in Path(folder).iterdir() if entry.name != MANIFEST)
-    (Path(folder) / MANIFEST).write_text("".join(name + "\n" for name in names), encoding="utf-8")
 
 
 def check_replaceable(out: str | Path, force: bool, *, name: str = "OUT", carry: bool = False) -> None:

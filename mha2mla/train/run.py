@@ -102,9 +102,10 @@ class RecoveryRun:
         if resume_point(config, self.resume) is not None:
             check_same_run(config, config.out_path)
         self.start_accelerator()
+        # a damaged checkpoint is one sentence before the estimate's lines
+        self.resume_from, self._saved = restore_point(config, self.resume, self.rank, self.world)
         check_run_memory(config, self.compute_dtype, self.world, is_sharded(self.accelerator), self.accelerator.device,
                          self.is_main)
-        self.resume_from, self._saved = restore_point(config, self.resume, self.rank, self.world)
         self.tokenizer = load_tokenizer(config.model)
         teacher = None
         if config.teacher is not None:  # before the data: without --data the teacher writes it (generated.py)

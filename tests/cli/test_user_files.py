@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from common import SAMPLE_TEXT, build_source, run_cli, snapshot, tiny_tokenizer
 
-from mha2mla.io.output import MANIFEST
+from mha2mla.io.written import MANIFEST
 
 
 def _last_line(err: str, needle: str) -> None:
