@@ -25,8 +25,9 @@ each phase timed exclusively (time spent in a phase called from another counts i
 - layer read: the source layer's weights read for the stream; writing: tensors, metadata, card; other: the rest.
 
 Peak memory of the conversion alone: VmHWM, reset after the floor (``/proc/self/clear_refs``). ``--quality`` adds
-the held-out perplexity of the converted model (the acceptance slices, mha2mla.evaluation.perplexity). Prints one
-JSON object and a Markdown table; the figure is conversion / floor.
+the held-out perplexity of the converted model (the acceptance slices, mha2mla.evaluation.perplexity; for a
+``--first-layers`` cut it is no quality figure, only a check that two runs agree). Prints the floor as a JSON line
+as soon as it is measured, then the whole JSON object and a Markdown table; the figure is conversion / floor.
 """
 
 from __future__ import annotations
@@ -214,7 +215,10 @@ def first_layers(source: Path, layers: int, folder: Path) -> Path:
 
 def markdown(row: dict) -> str:
     floor, convert = row["floor_seconds"], row["conversion"]
-    lines = ["| measured | seconds | share of the conversion | × floor |", "|---|---:|---:|---:|",
+    cut = f", first {row['first_layers']} layers" if row.get("first_layers") else ""
+    lines = [f"{row['shape']}{cut}, KV budget {row['kv_budget']}, {convert['plan']['compute_dtype']}, "
+             f"{row['threads']} thread(s), load average {row['load_average'][0]:.1f} before\n",
+             "| measured | seconds | share of the conversion | × floor |", "|---|---:|---:|---:|",
              f"| floor: one forward of the source over the calibration tokens | {floor:.1f} | — | 1.00 |"]
     for name, seconds in sorted(convert["phases"].items(), key=lambda item: -item[1]):
         lines.append(f"| {name} | {seconds:.1f} | {seconds / convert['seconds']:.0%} | {seconds / floor:.2f} |")
