@@ -1,7 +1,8 @@
 """The time budget of a recovery run (``--max-time 80m``): the training loop stops before a step that would end past
 it, and the run ends as any run does (the last evaluation, the model written). The budget counts the loop's wall
 time (steps, evaluations, checkpoints) summed over resumptions (``wall_seconds`` in the trainer state); the final
-evaluation and the export come after it. The setting's forms (90s, 80m, 1.5h) are read by config.duration_seconds."""
+evaluation and the export come after it. The setting's forms (a number with an
+optional unit: seconds, minutes or hours) are read by config.duration_seconds."""
 
 from __future__ import annotations
 

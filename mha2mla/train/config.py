@@ -24,7 +24,8 @@ UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600}
 
 
 def duration_seconds(text: str) -> float:
-    """``"90"``, ``"90s"``, ``"80m"``, ``"1.5h"`` in seconds; anything else is a ValueError naming the forms."""
+    """A duration as a number of seconds: a bare number, or a number followed by the unit letter s, m or h (seconds,
+    minutes, hours); anything else is a ValueError naming the forms."""
     match = DURATION.match(str(text))
     if not match or float(match[1]) <= 0:
         raise ValueError(f"{text!r} is not a duration; give a positive number of seconds, or one ending in s, m or h "
