@@ -46,7 +46,9 @@ def tiny_layer() -> tuple[torch.nn.Module, reconstruct.ReconstructionData]:
 
 
 def test_reconstruction_reads_the_device_once_per_measurement_not_per_step(monkeypatch):
-    """Twice the steps add only the extra held-out measurements' reads: one each (the error summed on the device)."""
+    """Twice the steps add only the extra held-out measurements' reads: one each (the error summed on the device).
+    Adam as it runs on a GPU (fused: step counts on the device); the CPU keeps the plain one."""
+    monkeypatch.setattr(reconstruct, "FUSED_ADAM_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(reconstruct, "PATIENCE", 1000)  # no early stop: every step runs
     monkeypatch.setattr(reconstruct, "EVAL_EVERY", 5)
     reads = {}
@@ -60,8 +62,10 @@ def test_reconstruction_reads_the_device_once_per_measurement_not_per_step(monke
     assert reads[20] - reads[10] == 2, reads
 
 
-def test_latent_refinement_reads_nothing_per_step():
-    """The attention-aware latent's Adam steps (lowrank.optimise_down) never read a value back to the host."""
+def test_latent_refinement_reads_nothing_per_step(monkeypatch):
+    """The attention-aware latent's Adam steps (lowrank.optimise_down) never read a value back to the host (Adam
+    fused as on a GPU)."""
+    monkeypatch.setattr(lowrank, "FUSED_ADAM_DEVICES", ("cpu", "cuda"))
     generator = torch.Generator().manual_seed(0)
     m, rows, r = 12, 6, 4
     prepared = []

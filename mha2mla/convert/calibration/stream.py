@@ -48,16 +48,17 @@ class _Modules:
     target_rotary: torch.nn.Module
 
 
-def _modules(config: dict, plan: ConversionPlan) -> _Modules:
+def _modules(config: dict, plan: ConversionPlan, device: torch.device) -> _Modules:
     settings = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
     source_config = AutoConfig.for_model(config["model_type"], **settings)
     source_config._attn_implementation = "sdpa"
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(source_config)
     target_config = deepseek_config_object(plan, config)
-    # the value head is narrower than the query/key head: plain sdpa would take its math path, the padded value
-    # runs the fused kernel (modeling/sdpa.py); steps that need the probabilities switch to eager (modeling/eager.py)
-    target_config._attn_implementation = register_padded_sdpa()
+    # the value head is narrower than the query/key head: plain sdpa takes its math path there, the padded value runs
+    # the fused kernel (modeling/sdpa.py) -- on a GPU; the CPU keeps plain sdpa, whose rounding the quality figures
+    # were measured with. Steps that need the probabilities switch to eager (modeling/eager.py)
+    target_config._attn_implementation = register_padded_sdpa() if device.type == "cuda" else "sdpa"
     return _Modules(source_config=source_config, target_config=target_config, layer_class=type(skeleton.model.layers[0]),
                     source_rotary=type(skeleton.model.rotary_emb)(config=source_config),
                     target_rotary=deepseek.DeepseekV3RotaryEmbedding(config=target_config))
@@ -74,7 +75,7 @@ class CalibrationStream:
         self.compute = torch_dtype(plan.compute_dtype)  # the layer forwards' dtype
         self.batch_size = batch_size or (calibration_batch(plan) if plan.calibration is not None else 8)
         self.on_disk = on_disk and self.device.type == "cpu"
-        self.modules = _modules(reader.ckpt.config, plan)
+        self.modules = _modules(reader.ckpt.config, plan, self.device)
         embed = reader.tensor("embed_tokens")
         N, L = tokens.shape
         self.hidden = self.buffer((N, L, embed.shape[1]))  # (N, L, D): the current layer's input

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mha2mla.convert.steps.reconstruct import FUSED_ADAM_DEVICES
 from mha2mla.convert.steps.records import Latent, LayerWork
 from mha2mla.convert.steps.registry import register, require
 
@@ -140,8 +141,8 @@ def optimise_down(prepared, down: torch.Tensor, steps: int, lr: float = 1e-2, de
     prepared = [(cov.to(device), thin.to(device), weight) for cov, thin, weight in prepared]
     q, _ = torch.linalg.qr(down.T)
     latent = q.T.float().to(device).clone().requires_grad_(True)  # orthonormal rows spanning the initial latent
-    # fused Adam keeps its step count on the device, and solve_ex skips solve's error check: no host sync per step
-    optimizer = torch.optim.Adam([latent], lr=lr, fused=device.type in ("cpu", "cuda"))
+    # solve_ex skips solve's error check and fused Adam (on a GPU) keeps its step count there: no host sync per step
+    optimizer = torch.optim.Adam([latent], lr=lr, fused=device.type in FUSED_ADAM_DEVICES)
     for _ in range(steps):
         optimizer.zero_grad()
         captured = 0.0
