@@ -260,3 +260,27 @@ def test_help_names_values_without_python_types(command, capsys):
     assert code == 0
     for placeholder in ("<str>", "<path>", "<list[", "<int>", "<float>", "<bool>"):
         assert placeholder not in out, (placeholder, out)
+
+
+def test_sigterm_mid_recover_keeps_the_checkpoints(tiny_mla, text, tmp_path, capsys, monkeypatch, stderr_logging):
+    """recover's own interruption sentence, as SIGTERM: the saved checkpoints stay for --resume auto, exit 143."""
+    from mha2mla.train.run import RecoveryRun
+
+    original, calls = RecoveryRun.train_step, []
+
+    def train_step(self, batch):
+        calls.append(1)
+        if len(calls) == 4:  # after the step-2 checkpoint
+            _sigterm_self()
+        return original(self, batch)
+
+    monkeypatch.setattr(RecoveryRun, "train_step", train_step)
+    (tmp_path / "corpus.txt").write_text(SAMPLE_TEXT * 4)
+    out = tmp_path / "out"
+    code, _, err = run_cli(["recover", tiny_mla, "--data", tmp_path / "corpus.txt", "--out", out, "--seq-len", "32",
+                            "--batch-size", "2", "--max-steps", "4", "--lora-rank", "4", "--eval-sequences", "0",
+                            "--save-every", "2", "--no-progress"], capsys)
+    assert code == 143
+    _last_line(err, "terminated (SIGTERM); the checkpoints in")
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000002"]
+    assert not [p.name for p in tmp_path.iterdir() if ".mha2mla-" in p.name]
