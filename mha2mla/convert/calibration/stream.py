@@ -56,8 +56,8 @@ def _modules(config: dict, plan: ConversionPlan, device: torch.device) -> _Modul
         skeleton = AutoModelForCausalLM.from_config(source_config)
     target_config = deepseek_config_object(plan, config)
     # the value head is narrower than the query/key head: plain sdpa takes its math path there, the padded value runs
-    # the fused kernel (modeling/sdpa.py) -- on a GPU; the CPU keeps plain sdpa, whose rounding the quality figures
-    # were measured with. Steps that need the probabilities switch to eager (modeling/eager.py)
+    # the fused kernel (modeling/sdpa.py) -- on a GPU; the CPU keeps plain sdpa, whose rounding its quality figures
+    # have (docs/benchmarks.md). Steps that need the probabilities switch to eager (modeling/eager.py)
     target_config._attn_implementation = register_padded_sdpa() if device.type == "cuda" else "sdpa"
     return _Modules(source_config=source_config, target_config=target_config, layer_class=type(skeleton.model.layers[0]),
                     source_rotary=type(skeleton.model.rotary_emb)(config=source_config),

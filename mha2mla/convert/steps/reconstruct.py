@@ -41,7 +41,7 @@ BATCH_SEQUENCES = 4
 # peak step size relative to each parameter's RMS, and the step count: the schedule chosen on SmolLM2
 # (docs/benchmarks.md, "reconstruction")
 # Fused Adam keeps its step counts on the parameters' device, so a GPU is not synced once per step; on the CPU the
-# plain Adam stays, whose numbers the quality figures were measured with (fused rounds differently).
+# plain Adam stays, whose rounding the quality figures have (docs/benchmarks.md; fused rounds differently).
 FUSED_ADAM_DEVICES = ("cuda",)
 LEARNING_RATE = 8e-3
 HELD_OUT_FRACTION = 0.125
