@@ -80,14 +80,16 @@ def held_out_documents(name: str, num_docs: int = NUM_DOCS, doc_chars: int = DOC
     )
 
 
+def _json_task(task: str, data_file: Path, output_type: str) -> dict:
+    """What every bundled task shares: its name, the offline tag and one JSON-lines file as the test split."""
+    return {"task": task, "tag": [OFFLINE_TAG], "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data_file)}}, "test_split": "test", "output_type": output_type,
+            "metadata": {"version": 1.0}}
+
+
 def _perplexity_task(task: str, data_file: Path) -> dict:
     return {
-        "task": task,
-        "tag": [OFFLINE_TAG],
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
-        "test_split": "test",
-        "output_type": "loglikelihood_rolling",
+        **_json_task(task, data_file, "loglikelihood_rolling"),
         "doc_to_text": "",
         "doc_to_target": "text",
         "metric_list": [  # aggregation and direction spelt out: lm-eval warns about each one left to its default
@@ -95,18 +97,12 @@ def _perplexity_task(task: str, data_file: Path) -> dict:
             {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
             {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
         ],
-        "metadata": {"version": 1.0},
     }
 
 
 def _continuation_task(task: str, data_file: Path) -> dict:
     return {
-        "task": task,
-        "tag": [OFFLINE_TAG],
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
-        "test_split": "test",
-        "output_type": "multiple_choice",
+        **_json_task(task, data_file, "multiple_choice"),
         "doc_to_text": "context",  # field names: the passage and its four candidate continuations
         "doc_to_choice": "choices",
         "doc_to_target": "answer",
@@ -115,21 +111,11 @@ def _continuation_task(task: str, data_file: Path) -> dict:
             {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
             {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
         ],
-        "metadata": {"version": 1.0},
     }
 
 
 def _multiple_choice_task(task: str, data_file: Path) -> dict:
-    common = {
-        "task": task,
-        "tag": [OFFLINE_TAG],
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
-        "test_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_target": "answer",
-        "metadata": {"version": 1.0},
-    }
+    common = {**_json_task(task, data_file, "multiple_choice"), "doc_to_target": "answer"}
     if task == "mmlu_dev_mc":  # lm-eval's mmlu prompt: lettered choices, the letter is scored
         return {
             **common,

@@ -96,19 +96,29 @@ def check_safetensors_file(path: str | Path) -> None:
         raise _damaged(path, f"truncated: {size:,} bytes of {8 + header_len + end:,}")
 
 
+def read_index(index: Path) -> dict[str, str]:
+    """A safetensors index's weight map (tensor name -> shard file); every shard must be a file directly inside the
+    index's folder (``../other/model.safetensors``, absolute paths and subfolders are refused)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise UserError(f"{index} is not a valid safetensors index ({error}); re-download the model.") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise UserError(f"{index} has no weight_map of tensor names to shard files; re-download the model.")
+    outside = sorted({f for f in weight_map.values() if Path(f).name != f or f in ("", ".", "..")})
+    if outside:
+        raise UserError(f"{index} names shard {outside[0]!r} outside {index.parent}; shards must be files in the "
+                        "checkpoint folder itself.")
+    return weight_map
+
+
 def weight_files(folder: str | Path) -> list[Path]:
     """The safetensors files a folder's weights live in (its index's shards, or model.safetensors), plus the
     absorbed inference weights when present. Missing shards named by the index are one sentence."""
     folder = Path(folder)
     index = folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-            raise UserError(f"{index} is not a valid safetensors index ({error}); re-download the model.") from None
-        if not isinstance(weight_map, dict):
-            raise UserError(f"{index} has no weight_map of tensor names to shard files; re-download the model.")
-        files = [folder / name for name in sorted(set(map(str, weight_map.values()))) if Path(name).name == name]
+        files = [folder / name for name in sorted(set(read_index(index).values()))]
         missing = [path.name for path in files if not path.is_file()]
         if missing:
             raise UserError(f"{folder} is missing shard {missing[0]} named in {INDEX_FILE}; re-download the model.")

@@ -6,7 +6,6 @@ latent-cache model its converted checkpoint (docs/generate.md), which asks for e
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import INDEX_FILE, SINGLE_FILE, check_safetensors_file, read_config
+from mha2mla.io.model_folder import INDEX_FILE, SINGLE_FILE, check_safetensors_file, read_config, read_index
 
 
 class LazyCheckpoint:
@@ -32,7 +31,7 @@ class LazyCheckpoint:
     def _read_weight_map(self) -> dict[str, str]:
         index = self.folder / INDEX_FILE
         if index.exists():
-            weight_map = self._read_index(index)
+            weight_map = read_index(index)
             missing = sorted({f for f in weight_map.values() if not (self.folder / f).exists()})
             if missing:
                 raise UserError(f"{self.folder} is missing shard {missing[0]} named in {INDEX_FILE}; re-download the model.")
@@ -45,20 +44,6 @@ class LazyCheckpoint:
                     "convert them to safetensors first."
                 )
             raise UserError(f"{self.folder} has no {SINGLE_FILE} or {INDEX_FILE}; point at a safetensors checkpoint folder.")
-        return weight_map
-
-    def _read_index(self, index: Path) -> dict[str, str]:
-        """The index's weight map; every shard it names must be a file directly inside the checkpoint folder."""
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-            raise UserError(f"{index} is not a valid safetensors index ({error}); re-download the model.") from error
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise UserError(f"{index} has no weight_map of tensor names to shard files; re-download the model.")
-        outside = sorted({f for f in weight_map.values() if Path(f).name != f or f in ("", ".", "..")})
-        if outside:
-            raise UserError(f"{index} names shard {outside[0]!r} outside {self.folder}; shards must be files in the "
-                            "checkpoint folder itself.")
         return weight_map
 
     def _open(self, filename: str):

@@ -21,7 +21,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from mha2mla.train.losses import CHUNK_POSITIONS, chunk_losses, logit_losses
+from mha2mla.train.losses import CHUNK_POSITIONS, chunk_losses, logit_losses, weighted_totals
 
 NO_POSITIONS = torch.zeros(0, dtype=torch.long)  # ``logits_to_keep``: project no position
 
@@ -52,10 +52,7 @@ class _HeadLosses(torch.autograd.Function):
             if grad_weight is not None:
                 grad_weight.addmm_(grad.float().T, hidden[start:end].float())  # (V, H)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        lm, kl = parts[0].clone(), parts[1].clone()
-        total = lm_weight * lm + kl_weight * kl
-        ctx.mark_non_differentiable(lm, kl)
-        return total, lm, kl
+        return weighted_totals(ctx, parts, lm_weight, kl_weight)
 
     @staticmethod
     def backward(ctx, grad_total, _grad_lm, _grad_kl):

@@ -31,15 +31,20 @@ class _LogitLosses(torch.autograd.Function):
                 if grad is not None:
                     grad[row, start:end] = chunk_grad
         ctx.save_for_backward(grad)
-        lm, kl = parts[0].clone(), parts[1].clone()
-        total = lm_weight * lm + kl_weight * kl
-        ctx.mark_non_differentiable(lm, kl)
-        return total, lm, kl
+        return weighted_totals(ctx, parts, lm_weight, kl_weight)
 
     @staticmethod
     def backward(ctx, grad_total, _grad_lm, _grad_kl):
         (grad,) = ctx.saved_tensors
         return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
+
+
+def weighted_totals(ctx, parts: torch.Tensor, lm_weight: float, kl_weight: float):
+    """An autograd forward's outputs from its (LM, KL) sums: the weighted total, then the two parts (reported, not
+    differentiated)."""
+    lm, kl = parts[0].clone(), parts[1].clone()
+    ctx.mark_non_differentiable(lm, kl)
+    return lm_weight * lm + kl_weight * kl, lm, kl
 
 
 def chunk_losses(logits, teacher, targets, weights, lm_weight, kl_weight, temperature, parts):
