@@ -252,7 +252,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.convert.config import ConvertConfig
     from mha2mla.io.cache import cache_dir, cached_default_model
     from mha2mla.io.source import resolve_source
 
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         source = resolve_source(args.model or cached_default_model())
     if args.first_layers:
         source = first_layers(source, args.first_layers, cache_dir() / "convert_cost" / f"{source.name}-first-{args.first_layers}")
-    options = ConvertOptions(kv_budget=args.kv_budget, compute_dtype=args.compute_dtype,
+    options = ConvertConfig(kv_budget=args.kv_budget, compute_dtype=args.compute_dtype,
                              calib_samples=args.calib_samples, calib_device=args.calib_device)
     floor, floor_info = floor_seconds(source, options)
     row = {"source": str(source), "shape": args.shape or "SmolLM2-135M", "first_layers": args.first_layers,

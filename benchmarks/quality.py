@@ -36,7 +36,7 @@ from pathlib import Path
 
 import harness
 
-# name -> the `mha2mla convert` options (ConvertOptions fields) that select the product's conversion method
+# name -> the `mha2mla convert` options (ConvertConfig fields) that select the product's conversion method
 METHODS: dict[str, dict] = {
     "default": {},  # calibrated: attention-aware latent, refit, layer-wise reconstruction
     "no-reconstruct": {"reconstruct": False},  # `--no-reconstruct`
@@ -50,7 +50,7 @@ SLICES = harness.HELD_OUT_SLICES
 
 def run_one(source: Path, budget: float, rope_dim: int | None, method: str, profile: str, args,
             compute_dtype: str = "auto") -> dict:
-    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.convert.config import ConvertConfig
     from mha2mla.convert.pipeline import convert
 
     options = dict(profile=profile, kv_budget=budget, rope_stride=args.rope_stride, **METHODS[method])
@@ -58,11 +58,11 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         options.update(calib=args.calib, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
                        compute_dtype=compute_dtype)
     if rope_dim is not None or args.full_rank:  # the same total cache as the budget, another rope/rank split
-        plan = convert(source, None, ConvertOptions(**options), dry_run=True, progress=False).plan
+        plan = convert(source, None, ConvertConfig(**options), dry_run=True, progress=False).plan
         options.update(kv_budget=None, rope_dim=rope_dim or plan.rope_dim)
         full = 2 * plan.shape.num_kv_heads * plan.shape.head_dim + plan.extra_channels
         options["kv_lora_rank"] = full if args.full_rank else plan.kv_lora_rank + plan.rope_dim - options["rope_dim"]
-    options = ConvertOptions(**options)
+    options = ConvertConfig(**options)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         started = time.time()
         result = convert(source, Path(tmp) / "out", options, progress=False, command="benchmarks/quality.py")
@@ -127,7 +127,7 @@ def family_smoke(work: str | None) -> list[dict]:
     against the source."""
     import torch
 
-    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.convert.config import ConvertConfig
     from mha2mla.convert.pipeline import convert
 
     common = _tests_common()
@@ -139,9 +139,9 @@ def family_smoke(work: str | None) -> list[dict]:
         for name, (model_type, extra, rotating) in SMOKE_FAMILIES.items():
             settings = {
                 # float32 compute: the exact setting (auto computes in bf16 where the CPU has it)
-                "MQA, full capacity (exact)": (1, ConvertOptions(profile="exact", kv_lora_rank=33, rope_dim=rotating,
+                "MQA, full capacity (exact)": (1, ConvertConfig(profile="exact", kv_lora_rank=33, rope_dim=rotating,
                                                                  calib_samples=16, calib_seq_len=64, compute_dtype="float32")),
-                "GQA, 31.25% (default)": (2, ConvertOptions(kv_budget=0.3125, calib_samples=16, calib_seq_len=64)),
+                "GQA, 31.25% (default)": (2, ConvertConfig(kv_budget=0.3125, calib_samples=16, calib_seq_len=64)),
             }
             for label, (kv_heads, options) in settings.items():
                 source = build_source(Path(tmp) / f"{name}-{kv_heads}", model_type, num_kv_heads=kv_heads, pad_token_id=0, **extra)

@@ -7,7 +7,7 @@ values times the bytes per value of the dtype a default ``mha2mla convert`` writ
 from __future__ import annotations
 
 from mha2mla import UserError
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.plan.resolve import make_plan
 from mha2mla.convert.plan.shape import DTYPES, SourceShape
 from mha2mla.families import family_for_config
@@ -76,7 +76,7 @@ def _budgets(config: dict, family, source_format: str) -> tuple[list[dict], str]
     rows, dtype = [], None
     for budget in BUDGETS:
         try:
-            plan = make_plan(config, family, ConvertOptions(kv_budget=budget), source_format=source_format)
+            plan = make_plan(config, family, ConvertConfig(kv_budget=budget), source_format=source_format)
         except UserError:
             continue
         dtype = plan.dtype

@@ -15,13 +15,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mha2mla import UserError
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.evaluation.config import EvalConfig
 from mha2mla.io.recipe_errors import yaml_error_sentence
 from mha2mla.modeling.generate_config import GenerateConfig
 from mha2mla.train.config import RecoverConfig
 
-SECTIONS: dict[str, type[BaseModel]] = {"convert": ConvertOptions, "recover": RecoverConfig, "eval": EvalConfig,
+SECTIONS: dict[str, type[BaseModel]] = {"convert": ConvertConfig, "recover": RecoverConfig, "eval": EvalConfig,
                                         "generate": GenerateConfig}
 
 

@@ -22,7 +22,7 @@ from mha2mla.io.cache import cached_default_model, cached_held_out_text
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.convert.config import ConvertConfig
     from mha2mla.convert.pipeline import convert
     from mha2mla.convert.plan.summary import format_plan
     from mha2mla.evaluation.measure import kv_cache_size
@@ -37,7 +37,7 @@ def main() -> None:
     out = cache_dir() / "demo" / f"smollm2-135m-mla-kv{budget}"
     print(f"source: {gguf.name} (dequantised to {source})")
     # activation-aware initialisation on the bundled public-domain calibration sample
-    options = ConvertOptions(kv_budget=budget, profile="portable", calib="default")
+    options = ConvertConfig(kv_budget=budget, profile="portable", calib="default")
     started = time.time()
     command = f"mha2mla convert {gguf} {out} --kv-budget {budget} --calib default --force"
     result = convert(gguf, out, options, force=True, command=command)

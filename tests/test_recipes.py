@@ -11,7 +11,7 @@ from common import run_cli
 from mha2mla.cli import convert, generate, recover
 from mha2mla.cli import eval as eval_cli
 from mha2mla.cli.settings import help_text, model_field
-from mha2mla.convert.options import KV_BUDGET, ConvertOptions
+from mha2mla.convert.config import KV_BUDGET, ConvertConfig
 from mha2mla.recipes import SECTIONS, build_settings, load_recipe
 from mha2mla.train.config import RecoverConfig
 
@@ -70,9 +70,9 @@ def test_a_size_given_replaces_the_recipe_s_other_sizes(tmp_path):
 
 
 def test_the_default_budget_has_one_home():
-    assert ConvertOptions().budget == KV_BUDGET and ConvertOptions(kv_budget=0.5).budget == 0.5
-    assert ConvertOptions(calib_samples=3).calib_samples_for(8192) == 3
-    assert ConvertOptions().calib_samples_for(64) > ConvertOptions().calib_samples_for(8192)
+    assert ConvertConfig().budget == KV_BUDGET and ConvertConfig(kv_budget=0.5).budget == 0.5
+    assert ConvertConfig(calib_samples=3).calib_samples_for(8192) == 3
+    assert ConvertConfig().calib_samples_for(64) > ConvertConfig().calib_samples_for(8192)
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))

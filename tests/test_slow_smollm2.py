@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.convert.pipeline import convert
 from mha2mla.data.held_out import held_out_token_ids
@@ -32,7 +32,7 @@ def test_calibrated_portable_conversion_of_smollm2_keeps_perplexity_within_2_4x(
     (without the refit ×2.22; the earlier PCA default ×3.2). Breaking the stabiliser channel, the rope
     split or the latent shows up as ×100 or more; losing the attention-aware fit, as ×3 or more."""
     out = tmp_path / "mla"
-    result = convert(source, out, ConvertOptions(kv_budget=0.3125, calib="default"), progress=False)
+    result = convert(source, out, ConvertConfig(kv_budget=0.3125, calib="default"), progress=False)
     assert result.plan.kv_lora_rank + result.plan.rope_dim == 120
     assert result.plan.extra_channel == "stabilizer"
     assert check_portable_folder(out) == []

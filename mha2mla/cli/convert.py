@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from mha2mla.cli.settings import Flags, with_settings
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.devices import check_device
 from mha2mla.extras import require_gguf_reader
 from mha2mla.io.source import check_source
@@ -21,9 +21,9 @@ FLAGS = Flags(
 )
 
 
-@with_settings("convert", ConvertOptions, FLAGS)
+@with_settings("convert", ConvertConfig, FLAGS)
 def convert_command(
-    settings: ConvertOptions,
+    settings: ConvertConfig,
     source: str = typer.Argument(..., help="Hub id, local HF folder or .gguf file. With a recipe holding `source:`, give only OUT."),
     out: Optional[Path] = typer.Argument(None, help="Output folder: new or empty, or with --force an earlier mha2mla output; never the source, inside it or the current folder."),
     recipe: Optional[Path] = typer.Option(None, help="A recipe YAML holding these options (flags given here win)."),

@@ -28,7 +28,7 @@ from transformers import DeepseekV3Config
 from mha2mla import __version__
 from mha2mla.convert.calibration.measure import measure
 from mha2mla.convert.calibration.stream import CalibrationStream, calibration_stream
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.output.portable import portable_violations
 from mha2mla.convert.output.serving import serving_sections
 from mha2mla.convert.output.target_config import deepseek_config
@@ -86,7 +86,7 @@ def prepare_out(out: Path, force: bool, source: str | Path) -> None:
 def convert(
     source: str | Path,
     out: str | Path | None,
-    options: ConvertOptions | None = None,
+    options: ConvertConfig | None = None,
     *,
     force: bool = False,
     dry_run: bool = False,
@@ -102,7 +102,7 @@ def convert(
     methods that neither fit layers nor calibrate sequentially); ``calibration_tokens``: (N, L) token ids to calibrate
     on instead of the options' text; ``methods``: another method set than the product's (benchmarks;
     plan/methods.py)."""
-    options = options or ConvertOptions()
+    options = options or ConvertConfig()
     started = time.time()
     check_device(options.calib_device, "--calib-device")
     out = Path(out) if out is not None else None

@@ -278,14 +278,14 @@ def test_recover_refused_with_one_sentence(case, tiny_mla, tmp_path, capsys, mon
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     """A portable conversion of the tiny source, the input export-gguf accepts."""
-    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.convert.config import ConvertConfig
     from mha2mla.convert.pipeline import convert
 
     base = tmp_path_factory.mktemp("converted")
     source = build_source(base / "src", "llama", num_heads=4, num_kv_heads=2, with_tokenizer=False)
     tiny_tokenizer(384).save_pretrained(source)  # large enough to have BPE merges, which llama.cpp needs
     out = base / "mla"
-    convert(source, out, ConvertOptions(calib="none"), progress=False)
+    convert(source, out, ConvertConfig(calib="none"), progress=False)
     return out
 
 

@@ -47,13 +47,13 @@ def _refused(args, needle: str, root: Path, capsys, code: int = 2) -> str:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     """An mha2mla output folder (portable conversion of a tiny Llama). Shared: tests copy it before changing it."""
-    from mha2mla.convert.options import ConvertOptions
+    from mha2mla.convert.config import ConvertConfig
     from mha2mla.convert.pipeline import convert
 
     base = tmp_path_factory.mktemp("user_files")
     source = build_source(base / "src", "llama", num_heads=4, num_kv_heads=2, with_tokenizer=False)
     tiny_tokenizer(384).save_pretrained(source)  # with BPE merges, which export-gguf needs
-    convert(source, base / "mla", ConvertOptions(calib="none"), progress=False)
+    convert(source, base / "mla", ConvertConfig(calib="none"), progress=False)
     return base / "mla"
 
 

@@ -17,7 +17,7 @@ from mha2mla.convert.calibration import measure as measure_module
 from mha2mla.convert.calibration.data import calibration_documents, calibration_token_ids
 from mha2mla.convert.calibration.measure import measure
 from mha2mla.convert.calibration.stream import CalibrationStream
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.pipeline import convert
 from mha2mla.convert.plan.methods import Methods, product_methods
 from mha2mla.convert.plan.resolve import make_plan
@@ -65,7 +65,7 @@ def stream_for(folder, tokens, sequential, profile="exact", **options) -> Calibr
     ckpt = open_source(folder)
     family = family_for_config(ckpt.config)
     options.setdefault("compute_dtype", "float32")  # statistics compared with float32 computations
-    plan = make_plan(ckpt.config, family, ConvertOptions(profile=profile, **options), methods=calibrated(profile, sequential))
+    plan = make_plan(ckpt.config, family, ConvertConfig(profile=profile, **options), methods=calibrated(profile, sequential))
     return CalibrationStream(SourceReader(ckpt, family, plan), tokens, device="cpu")
 
 
@@ -158,7 +158,7 @@ def test_sequential_statistics_follow_the_converted_layer(sources, monkeypatch):
     monkeypatch.setattr(pipeline, "measure", recording)
     for rank, should_match in ((2 * HEAD_DIM + 1, True), (4, False)):
         out = folder.parent / f"seq_rank{rank}"
-        options = ConvertOptions(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM, compute_dtype="float32")
+        options = ConvertConfig(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM, compute_dtype="float32")
         convert(folder, out, options, calibration_tokens=tokens, progress=False, force=True)
         close = torch.allclose(seen[1].input_covariance, covariance, rtol=1e-4, atol=1e-4)
         assert close == should_match, (rank, (seen[1].input_covariance - covariance).abs().max())
@@ -172,7 +172,7 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
     folder = sources["llama_gqa"]
     ckpt = open_source(folder)
     family = family_for_config(ckpt.config)
-    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, reconstruct=False)
+    options = ConvertConfig(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, reconstruct=False)
     plan = make_plan(ckpt.config, family, options, external_statistics=True)
     assert plan.methods.refit == "ridge" and plan.methods.sequential  # the default (reconstruction off: the refit's own output)
     result = convert(folder, tmp_path / "out", options, calibration_tokens=tokens, progress=False)
@@ -219,7 +219,7 @@ def test_portable_conversion_on_caller_supplied_tokens(sources, tmp_path):
     tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(7))
     ckpt = open_source(sources["llama_gqa"])
     family = family_for_config(ckpt.config)
-    options = ConvertOptions(profile="portable", kv_budget=0.5, calib=None)
+    options = ConvertConfig(profile="portable", kv_budget=0.5, calib=None)
     plan = make_plan(ckpt.config, family, options, external_statistics=True)
     assert plan.methods.kv_norm == "stabilized" and plan.extra_channels == 1
     result = convert(sources["llama_gqa"], tmp_path / "out", options, calibration_tokens=tokens, progress=False)
@@ -231,7 +231,7 @@ def test_precomputed_statistics_are_refused_for_methods_that_follow_the_converte
     """Statistics computed beforehand cannot feed a refit, a reconstruction or sequential calibration: refused
     before anything is written, not silently run without them."""
     with pytest.raises(ValueError, match="precomputed statistics cannot follow the converted model"):
-        convert(sources["llama_gqa"], tmp_path / "out", ConvertOptions(kv_budget=0.5), progress=False,
+        convert(sources["llama_gqa"], tmp_path / "out", ConvertConfig(kv_budget=0.5), progress=False,
                 statistics=[LayerStatistics()] * 2)
     assert not (tmp_path / "out").exists()
 
@@ -241,7 +241,7 @@ def test_precomputed_statistics_convert_as_the_stream_would(sources, tmp_path):
     from the stream inside convert (how benchmarks/quality.py reuses one measurement across budgets)."""
     tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(9))
     methods = calibrated(sequential=False, refit="none", reconstruct="none")
-    options = ConvertOptions(profile="exact", kv_budget=0.5, compute_dtype="float32")  # as stream_for
+    options = ConvertConfig(profile="exact", kv_budget=0.5, compute_dtype="float32")  # as stream_for
     stream = stream_for(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
     layers = []
     for layer in range(2):
@@ -271,7 +271,7 @@ METHOD_GRID = {  # the product's two sets, and the ablations the quality benchma
 @pytest.mark.parametrize("label", list(METHOD_GRID))
 def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, name, label):
     methods = METHOD_GRID[label]
-    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="default", compute_dtype="float32",
+    options = ConvertConfig(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="default", compute_dtype="float32",
                              calib_samples=4, calib_seq_len=32)
     result = convert(sources[name], tmp_path / "out", options, progress=False, methods=methods)
     assert result.report["methods"] == methods.to_dict() and result.plan.calibrated
@@ -285,7 +285,7 @@ def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, na
 
 @pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
 def test_weight_only_is_exact_at_full_capacity(sources, input_ids, tmp_path, name):
-    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="none")
+    options = ConvertConfig(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="none")
     result = convert(sources[name], tmp_path / "out", options, progress=False)
     assert not result.plan.calibrated and result.report["methods"]["lowrank"] == "svd"
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
@@ -294,7 +294,7 @@ def test_weight_only_is_exact_at_full_capacity(sources, input_ids, tmp_path, nam
 
 @pytest.mark.parametrize("norm", ["rms", "stabilized"])
 def test_portable_norm_calibrations_write_valid_outputs_and_differ(sources, input_ids, tmp_path, norm):
-    options = ConvertOptions(profile="portable", kv_budget=0.5, calib="default", calib_samples=4, calib_seq_len=32)
+    options = ConvertConfig(profile="portable", kv_budget=0.5, calib="default", calib_samples=4, calib_seq_len=32)
     convert(sources["llama_gqa"], tmp_path / "out", options, progress=False, methods=calibrated("portable", kv_norm=norm))
     from safetensors.torch import load_file
 
@@ -456,7 +456,7 @@ def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sou
 
     from mha2mla.convert.output.portable import check_portable_folder
 
-    options = ConvertOptions(profile="portable", kv_lora_rank=13, rope_dim=8, calib="default", calib_samples=4,
+    options = ConvertConfig(profile="portable", kv_lora_rank=13, rope_dim=8, calib="default", calib_samples=4,
                              calib_seq_len=32)
     result = convert(sources["llama_gqa"], tmp_path / "out", options, progress=False)
     assert result.plan.methods.kv_norm == "stabilized" and result.plan.extra_channels == 1 and result.plan.latent_rank == 12
@@ -473,7 +473,7 @@ def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sou
 
 @pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
 def test_reconstruction_keeps_full_capacity_exact(sources, input_ids, tmp_path, name):
-    options = ConvertOptions(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib_samples=8, calib_seq_len=32,
+    options = ConvertConfig(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib_samples=8, calib_seq_len=32,
                              compute_dtype="float32")
     result = convert(sources[name], tmp_path / "out", options, progress=False, methods=calibrated(reconstruct="gradient"))
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
@@ -489,7 +489,7 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
 
     tokens = torch.randint(0, 384, (32, 64), generator=torch.Generator().manual_seed(8))
     folder = sources["llama_gqa"]
-    options = ConvertOptions(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, compute_dtype="float32")
+    options = ConvertConfig(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, compute_dtype="float32")
     methods = calibrated(reconstruct="gradient")
     result = convert(folder, tmp_path / "out", options, calibration_tokens=tokens, progress=False, methods=methods)
     layers = result.report["layers"]

@@ -11,7 +11,7 @@ import torch
 from common import build_source, logits
 from transformers import AutoModelForCausalLM
 
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.output.portable import check_portable_folder, portable_violations
 from mha2mla.convert.pipeline import convert
 from mha2mla.modeling.absorbed import load_absorbed
@@ -40,9 +40,9 @@ def input_ids():
     return torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
-def full_capacity(num_kv_heads: int, profile: str) -> ConvertOptions:
+def full_capacity(num_kv_heads: int, profile: str) -> ConvertConfig:
     rank = min(HIDDEN, 2 * num_kv_heads * HEAD_DIM) + (1 if profile == "exact" else 0)
-    return ConvertOptions(calib=None, profile=profile, kv_lora_rank=rank, rope_dim=HEAD_DIM)
+    return ConvertConfig(calib=None, profile=profile, kv_lora_rank=rank, rope_dim=HEAD_DIM)
 
 
 # --- rung (a): MQA source, all pairs kept, full rank -> the source's logits ------------------------
@@ -104,7 +104,7 @@ def test_error_falls_monotonically_with_rank(sources, input_ids, tmp_path, name)
     errors, k_errors = [], []
     for rank in (4, 12, 24, 40, 64):
         out = tmp_path / f"r{rank}"
-        result = convert(sources[name], out, ConvertOptions(calib=None, profile="exact", kv_lora_rank=rank + 1, rope_dim=HEAD_DIM), progress=False)
+        result = convert(sources[name], out, ConvertConfig(calib=None, profile="exact", kv_lora_rank=rank + 1, rope_dim=HEAD_DIM), progress=False)
         errors.append((logits(out, input_ids) - reference).pow(2).mean().sqrt().item())
         k_errors.append(sum(layer["k_rel_error"] + layer["v_rel_error"] for layer in result.report["layers"]))
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
@@ -120,7 +120,7 @@ def test_transformers_equals_own_interleaved_reference_and_absorbed_forward(sour
     forward that applies rope GPT-J style on the interleaved rows (as vLLM / SGLang do), and the
     absorbed attention over the latent cache (absorbed.safetensors) gives the same logits again."""
     out = tmp_path / "out"
-    convert(sources[name], out, ConvertOptions(calib=None, profile=profile, kv_budget=0.375), progress=False)
+    convert(sources[name], out, ConvertConfig(calib=None, profile=profile, kv_budget=0.375), progress=False)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=False).eval()
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     _, absorbed = load_absorbed(out)
@@ -138,7 +138,7 @@ def test_half_split_rope_on_the_output_would_be_wrong(sources, input_ids, tmp_pa
     """Guard against a checkpoint that only works with rope_interleave: false: flipping the flag
     changes the logits, so the interleaved layout really is what the weights encode."""
     out = tmp_path / "out"
-    convert(sources["llama_gqa"], out, ConvertOptions(calib=None, profile="portable", kv_budget=0.5), progress=False)
+    convert(sources["llama_gqa"], out, ConvertConfig(calib=None, profile="portable", kv_budget=0.5), progress=False)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         good = model(input_ids).logits
@@ -150,7 +150,7 @@ def test_half_split_rope_on_the_output_would_be_wrong(sources, input_ids, tmp_pa
 @pytest.mark.parametrize("profile", ["exact", "portable"])
 def test_cache_holds_rank_plus_rope_values_per_token_per_layer(sources, tmp_path, profile):
     out = tmp_path / "out"
-    result = convert(sources["llama_gqa"], out, ConvertOptions(profile=profile, kv_budget=0.25, **SMALL_CALIBRATION), progress=False)
+    result = convert(sources["llama_gqa"], out, ConvertConfig(profile=profile, kv_budget=0.25, **SMALL_CALIBRATION), progress=False)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = 17
     with torch.no_grad():
@@ -166,7 +166,7 @@ def test_cache_holds_rank_plus_rope_values_per_token_per_layer(sources, tmp_path
 @pytest.mark.parametrize("name", ["llama_mha", "llama_gqa", "llama_mqa", "qwen2_gqa", "mistral_gqa"])
 def test_every_portable_output_passes_the_checker(sources, tmp_path, name):
     out = tmp_path / "out"
-    result = convert(sources[name], out, ConvertOptions(kv_budget=0.25, **SMALL_CALIBRATION), progress=False)
+    result = convert(sources[name], out, ConvertConfig(kv_budget=0.25, **SMALL_CALIBRATION), progress=False)
     assert check_portable_folder(out) == []
     assert result.report["methods"]["lowrank"] == "attention" and result.report["methods"]["refit"]
     assert result.report["portable_check"] == "passed"
@@ -215,7 +215,7 @@ def test_checker_catches_attention_bias_tensors():
 
 def test_output_folder_contents_and_sharding(sources, tmp_path, input_ids):
     out = tmp_path / "out"
-    options = ConvertOptions(calib=None, profile="exact", kv_budget=0.5, max_shard_size=60_000)
+    options = ConvertConfig(calib=None, profile="exact", kv_budget=0.5, max_shard_size=60_000)
     result = convert(sources["llama_gqa"], out, options, progress=False)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -231,14 +231,14 @@ def test_output_folder_contents_and_sharding(sources, tmp_path, input_ids):
     assert not list(tmp_path.glob(".out.tmp-*"))
     # the sharded checkpoint equals an unsharded conversion
     single = tmp_path / "single"
-    convert(sources["llama_gqa"], single, ConvertOptions(calib=None, profile="exact", kv_budget=0.5), progress=False)
+    convert(sources["llama_gqa"], single, ConvertConfig(calib=None, profile="exact", kv_budget=0.5), progress=False)
     assert torch.equal(logits(out, input_ids), logits(single, input_ids))
     assert result.plan.kv_lora_rank == json.loads((out / "config.json").read_text())["kv_lora_rank"]
 
 
 def test_kept_rope_pairs_map_exactly_onto_plain_rope(sources, tmp_path):
     """The kept pairs are the fastest ones, at base' = base^(d_r/d): the same frequencies exactly."""
-    high = convert(sources["llama_mqa"], tmp_path / "high", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=8), progress=False)
+    high = convert(sources["llama_mqa"], tmp_path / "high", ConvertConfig(calib=None, kv_lora_rank=32, rope_dim=8), progress=False)
     assert high.plan.rope_pairs == (0, 1, 2, 3)
     assert high.plan.target_rope_theta == pytest.approx(10000.0 ** (8 / HEAD_DIM))
     for j, pair in enumerate(high.plan.rope_pairs):
@@ -252,15 +252,15 @@ def test_every_other_rope_pair_is_kept_exactly_and_chosen_for_small_rope_keys(so
     from mha2mla import UserError
 
     source = sources["llama_mqa"]
-    every_other = convert(source, tmp_path / "a", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=8, rope_stride=2),
+    every_other = convert(source, tmp_path / "a", ConvertConfig(calib=None, kv_lora_rank=32, rope_dim=8, rope_stride=2),
                           dry_run=True)
     assert every_other.plan.rope_pairs == (0, 2, 4, 6)
     for j, pair in enumerate(every_other.plan.rope_pairs):
         assert math.isclose(every_other.plan.target_rope_theta ** (-2 * j / 8), 10000.0 ** (-2 * pair / HEAD_DIM), rel_tol=1e-9)
-    assert convert(source, tmp_path / "b", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=4), dry_run=True).plan.rope_pairs == (0, 2)
-    assert convert(source, tmp_path / "c", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=6), dry_run=True).plan.rope_pairs == (0, 1, 2)
+    assert convert(source, tmp_path / "b", ConvertConfig(calib=None, kv_lora_rank=32, rope_dim=4), dry_run=True).plan.rope_pairs == (0, 2)
+    assert convert(source, tmp_path / "c", ConvertConfig(calib=None, kv_lora_rank=32, rope_dim=6), dry_run=True).plan.rope_pairs == (0, 1, 2)
     with pytest.raises(UserError, match="use a stride from 1 to 2"):
-        convert(source, tmp_path / "d", ConvertOptions(calib=None, kv_lora_rank=32, rope_dim=8, rope_stride=3), dry_run=True)
+        convert(source, tmp_path / "d", ConvertConfig(calib=None, kv_lora_rank=32, rope_dim=8, rope_stride=3), dry_run=True)
 
 
 def test_a_rope_stride_keeps_the_source_exact_where_the_skipped_pairs_carry_nothing(tmp_path, input_ids):
@@ -278,7 +278,7 @@ def test_a_rope_stride_keeps_the_source_exact_where_the_skipped_pairs_carry_noth
     errors = {}
     for stride in (2, 1):
         out = tmp_path / f"stride{stride}"
-        convert(source, out, ConvertOptions(calib=None, profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=8,
+        convert(source, out, ConvertConfig(calib=None, profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=8,
                                             rope_stride=stride), progress=False)
         errors[stride] = (logits(out, input_ids) - logits(source, input_ids)).abs().max().item()
     assert errors[2] < 1e-4, errors
@@ -287,7 +287,7 @@ def test_a_rope_stride_keeps_the_source_exact_where_the_skipped_pairs_carry_noth
 
 def test_dry_run_writes_nothing(sources, tmp_path):
     out = tmp_path / "out"
-    result = convert(sources["llama_gqa"], out, ConvertOptions(kv_budget=0.125), dry_run=True)
+    result = convert(sources["llama_gqa"], out, ConvertConfig(kv_budget=0.125), dry_run=True)
     assert not out.exists()
     assert result.plan.kv_lora_rank + result.plan.rope_dim == 8
     assert result.plan.calibrated and "calibrated on the bundled sample" in result.plan.method_summary()
@@ -299,7 +299,7 @@ def test_rank_above_what_a_layer_can_use_is_refused(sources, tmp_path):
     from mha2mla import UserError
 
     with pytest.raises(UserError, match=f"full-capacity value is {HIDDEN}"):
-        convert(sources["llama_mha"], tmp_path / "out", ConvertOptions(calib=None, kv_lora_rank=500, rope_dim=16), progress=False)
+        convert(sources["llama_mha"], tmp_path / "out", ConvertConfig(calib=None, kv_lora_rank=500, rope_dim=16), progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -310,6 +310,6 @@ def test_gguf_sources_default_to_a_bfloat16_output(sources):
 
     config = json.loads((sources["llama_gqa"] / "config.json").read_text())
     family = family_for_config(config)
-    assert make_plan(config, family, ConvertOptions(calib=None), source_format="gguf").dtype == "bfloat16"
-    assert make_plan(config, family, ConvertOptions(calib=None, dtype="float32"), source_format="gguf").dtype == "float32"
-    assert make_plan(config, family, ConvertOptions(calib=None)).dtype == "float32"
+    assert make_plan(config, family, ConvertConfig(calib=None), source_format="gguf").dtype == "bfloat16"
+    assert make_plan(config, family, ConvertConfig(calib=None, dtype="float32"), source_format="gguf").dtype == "float32"
+    assert make_plan(config, family, ConvertConfig(calib=None)).dtype == "float32"

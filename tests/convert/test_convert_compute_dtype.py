@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from mha2mla import compute
 from mha2mla.convert.calibration.stream import CalibrationStream
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.pipeline import convert
 from mha2mla.convert.plan.resolve import make_plan
 from mha2mla.convert.source_reader import SourceReader
@@ -23,7 +23,7 @@ HEAD_DIM = 16
 
 def plan_for(folder, **options):
     ckpt = open_source(folder)
-    return make_plan(ckpt.config, family_for_config(ckpt.config), ConvertOptions(**options))
+    return make_plan(ckpt.config, family_for_config(ckpt.config), ConvertConfig(**options))
 
 
 def test_auto_is_bf16_only_where_the_cpu_reports_it(llama_source, monkeypatch):
@@ -38,13 +38,13 @@ def test_auto_is_bf16_only_where_the_cpu_reports_it(llama_source, monkeypatch):
 
 def test_weight_only_refuses_a_compute_dtype():
     with pytest.raises(ValidationError, match="compute_dtype"):
-        ConvertOptions(calib="none", compute_dtype="bfloat16")
+        ConvertConfig(calib="none", compute_dtype="bfloat16")
 
 
 def test_the_stream_computes_in_bf16_and_keeps_float32_residuals(llama_source):
     ckpt = open_source(llama_source)
     family = family_for_config(ckpt.config)
-    plan = make_plan(ckpt.config, family, ConvertOptions(profile="exact", kv_budget=0.5, compute_dtype="bfloat16"),
+    plan = make_plan(ckpt.config, family, ConvertConfig(profile="exact", kv_budget=0.5, compute_dtype="bfloat16"),
                      external_statistics=True)
     tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(3))
     stream = CalibrationStream(SourceReader(ckpt, family, plan), tokens, device="cpu")
@@ -58,7 +58,7 @@ def test_the_stream_computes_in_bf16_and_keeps_float32_residuals(llama_source):
 
 def convert_with(folder, out, compute_dtype, **options):
     tokens = torch.randint(0, 384, (32, 64), generator=torch.Generator().manual_seed(8))
-    options = ConvertOptions(profile="exact", compute_dtype=compute_dtype, **options)
+    options = ConvertConfig(profile="exact", compute_dtype=compute_dtype, **options)
     return convert(folder, out, options, calibration_tokens=tokens, progress=False)
 
 

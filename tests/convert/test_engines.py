@@ -10,7 +10,7 @@ import torch
 from common import build_source, logits
 
 from mha2mla import UserError
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.pipeline import convert
 from mha2mla.convert.plan.engines import engine_violations
 from mha2mla.convert.plan.resolve import make_plan
@@ -56,8 +56,8 @@ def test_the_checker_names_each_engine_rule_todays_smollm2_output_breaks():
 def test_a_source_that_cannot_reach_an_accepted_shape_under_the_budget_says_what_it_needs():
     family = family_for_config(SMOLLM2_SOURCE)
     with pytest.raises(UserError, match=r"at least 320 values per token per layer .*83\.3% .*--kv-budget 0\.8333"):
-        make_plan(SMOLLM2_SOURCE, family, ConvertOptions(kv_budget=0.3125, target="vllm"))
-    plan = make_plan(SMOLLM2_SOURCE, family, ConvertOptions(kv_budget=0.3125, target="llama.cpp"))
+        make_plan(SMOLLM2_SOURCE, family, ConvertConfig(kv_budget=0.3125, target="vllm"))
+    plan = make_plan(SMOLLM2_SOURCE, family, ConvertConfig(kv_budget=0.3125, target="llama.cpp"))
     assert (plan.kv_lora_rank, plan.rope_dim, plan.v_head_dim) == (88, 32, 64)  # llama.cpp takes any shape
 
 
@@ -68,7 +68,7 @@ def test_a_source_that_cannot_reach_an_accepted_shape_under_the_budget_says_what
 ])
 def test_budgets_snap_to_shapes_the_engine_accepts(head128, target, budget, expected):
     config = json.loads((head128 / "config.json").read_text())
-    plan = make_plan(config, family_for_config(config), ConvertOptions(kv_budget=budget, target=target))
+    plan = make_plan(config, family_for_config(config), ConvertConfig(kv_budget=budget, target=target))
     assert (plan.kv_lora_rank, plan.rope_dim, plan.v_head_dim) == expected
     assert plan.dtype == "bfloat16"  # what the GPU engines serve
     if round(budget * 512) != 320:
@@ -78,17 +78,17 @@ def test_budgets_snap_to_shapes_the_engine_accepts(head128, target, budget, expe
 def test_explicit_ranks_outside_the_engine_table_are_refused(head128):
     config = json.loads((head128 / "config.json").read_text())
     with pytest.raises(UserError, match="does not accept kv_lora_rank 200"):
-        make_plan(config, family_for_config(config), ConvertOptions(kv_lora_rank=200, rope_dim=64, target="sglang"))
+        make_plan(config, family_for_config(config), ConvertConfig(kv_lora_rank=200, rope_dim=64, target="sglang"))
     with pytest.raises(UserError, match="qk_rope_head_dim 64"):
-        make_plan(config, family_for_config(config), ConvertOptions(kv_lora_rank=256, rope_dim=32, target="vllm"))
+        make_plan(config, family_for_config(config), ConvertConfig(kv_lora_rank=256, rope_dim=32, target="vllm"))
     with pytest.raises(UserError, match="portable profile only"):
-        make_plan(config, family_for_config(config), ConvertOptions(kv_budget=0.625, target="vllm", profile="exact"))
+        make_plan(config, family_for_config(config), ConvertConfig(kv_budget=0.625, target="vllm", profile="exact"))
 
 
 @pytest.mark.parametrize("target", ["vllm", "sglang"])
 def test_target_outputs_of_a_head_dim_128_source_pass_the_engine_checker(head128, tmp_path, target):
     out = tmp_path / "out"
-    result = convert(head128, out, ConvertOptions(kv_budget=0.625, target=target, calib_samples=4, calib_seq_len=32),
+    result = convert(head128, out, ConvertConfig(kv_budget=0.625, target=target, calib_samples=4, calib_seq_len=32),
                      progress=False)
     config = json.loads((out / "config.json").read_text())
     files = sorted(path.name for path in out.iterdir())
@@ -103,8 +103,8 @@ def test_value_padding_is_exact(head64, tmp_path):
     """vLLM's prefill takes (64, 64, 128) heads: the head-dim-64 source's value heads are zero-padded to 128.
     The padded checkpoint computes exactly what the unpadded one does."""
     options = dict(kv_lora_rank=256, rope_dim=64, calib=None, dtype="float32")
-    padded = convert(head64, tmp_path / "vllm", ConvertOptions(target="vllm", **options), progress=False)
-    plain = convert(head64, tmp_path / "plain", ConvertOptions(target="transformers", **options), progress=False)
+    padded = convert(head64, tmp_path / "vllm", ConvertConfig(target="vllm", **options), progress=False)
+    plain = convert(head64, tmp_path / "plain", ConvertConfig(target="transformers", **options), progress=False)
     assert padded.plan.v_head_dim == 128 and plain.plan.v_head_dim == 64
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["v_head_dim"] == 128
     tokens = torch.randint(0, 384, (2, 30), generator=torch.Generator().manual_seed(0))
@@ -114,7 +114,7 @@ def test_value_padding_is_exact(head64, tmp_path):
 
 def test_a_single_shard_output_has_an_index_that_hides_the_absorbed_weights(head64, tmp_path):
     out = tmp_path / "out"
-    convert(head64, out, ConvertOptions(calib=None, kv_budget=0.5), progress=False)
+    convert(head64, out, ConvertConfig(calib=None, kv_budget=0.5), progress=False)
     assert (out / "model.safetensors").exists() and (out / "absorbed.safetensors").exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model.safetensors"}

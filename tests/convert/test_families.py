@@ -10,7 +10,7 @@ import pytest
 import torch
 from common import build_source, logits, run_cli
 
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.convert.pipeline import convert
 
@@ -48,11 +48,11 @@ def input_ids():
     return torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
-def full_capacity(name: str, kv_heads: int, **extra) -> ConvertOptions:
+def full_capacity(name: str, kv_heads: int, **extra) -> ConvertConfig:
     rank = min(D, 2 * kv_heads * HEAD_DIM) + 1  # + the exact profile's constant channel
     if extra.get("calib", "default") is not None:  # calibrated: its forwards in float32, the exact setting
         extra.setdefault("compute_dtype", "float32")
-    return ConvertOptions(profile="exact", kv_lora_rank=rank, rope_dim=FAMILIES[name][2], **extra)
+    return ConvertConfig(profile="exact", kv_lora_rank=rank, rope_dim=FAMILIES[name][2], **extra)
 
 
 @pytest.mark.parametrize("calibrated", [False, True], ids=["weight-only", "calibrated"])
@@ -111,7 +111,7 @@ QWEN3_FULL_CAPACITY_BOUND = 4.0
 @pytest.mark.parametrize("name", list(FAMILIES) + ["qwen3"])
 def test_portable_outputs_load_and_pass_the_checker(sources, tmp_path, name):
     out = tmp_path / "out"
-    convert(sources[name, 1], out, ConvertOptions(kv_budget=0.5, **SMALL_CALIBRATION), progress=False)
+    convert(sources[name, 1], out, ConvertConfig(kv_budget=0.5, **SMALL_CALIBRATION), progress=False)
     assert check_portable_folder(out) == []
     assert torch.isfinite(logits(out, torch.arange(16).view(1, -1))).all()
 

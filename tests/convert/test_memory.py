@@ -13,7 +13,7 @@ from common import build_source, run_cli
 from safetensors.torch import load_file
 
 from mha2mla.convert.calibration import memory
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.pipeline import convert
 
 
@@ -23,7 +23,7 @@ def source(tmp_path_factory):
 
 
 def test_activations_on_disk_convert_to_the_same_weights(source, tmp_path, monkeypatch):
-    options = ConvertOptions(kv_budget=0.5, calib_samples=6, calib_seq_len=32)
+    options = ConvertConfig(kv_budget=0.5, calib_samples=6, calib_seq_len=32)
     convert(source, tmp_path / "memory", options, progress=False)
     made = []
     real = memory.host_buffer
@@ -64,7 +64,7 @@ def test_the_estimate_at_70b_widths_fits_24_gib_and_shrinks_the_moments():
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "num_attention_heads": 64,
               "num_key_value_heads": 8, "intermediate_size": 28672, "num_hidden_layers": 80, "vocab_size": 128256,
               "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "rope_theta": 500000.0}
-    plan = make_plan(config, family_for_config(config), ConvertOptions(kv_budget=0.3125))
+    plan = make_plan(config, family_for_config(config), ConvertConfig(kv_budget=0.3125))
     assert plan.calibration.samples == 128  # wide models keep 128 windows (256 below hidden size 4096)
     terms = memory.layer_memory(plan)
     assert terms["per-head moments"] == 2 * 64 * 2048**2 * 4 + 2 * 8192**2 * 8  # (H, m, m) float32 ×2, (D, D) float64
@@ -90,7 +90,7 @@ def test_row_space_moments_keep_full_capacity_exact(source, tmp_path, monkeypatc
         return stats
 
     monkeypatch.setattr(pipeline, "measure", statistics)
-    options = ConvertOptions(profile="exact", kv_lora_rank=2 * 16 + 1, rope_dim=16, calib_samples=4, calib_seq_len=32,
+    options = ConvertConfig(profile="exact", kv_lora_rank=2 * 16 + 1, rope_dim=16, calib_samples=4, calib_seq_len=32,
                              compute_dtype="float32")
     convert(source, tmp_path / "out", options, progress=False)
     assert seen and all(shape == (32, 64) for shape in seen), seen  # MQA: 2 · 1 · 16 rows of 64 dims

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.pipeline import convert
 from mha2mla.export import export_gguf
 from mha2mla.io.cache import cached_default_model  # `make test-engines` fetches it first
@@ -50,7 +50,7 @@ def converted(tmp_path_factory) -> Path:
         return Path(given)
     out = tmp_path_factory.mktemp("smollm2") / "kv31"
     # the GGUF itself, as `mha2mla convert <gguf> OUT --kv-budget 0.3125` gets it (a bf16 output)
-    convert(cached_default_model(), out, ConvertOptions(kv_budget=0.3125), progress=False)
+    convert(cached_default_model(), out, ConvertConfig(kv_budget=0.3125), progress=False)
     return out
 
 

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from mha2mla import UserError
 from mha2mla.cli.export import register
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.pipeline import convert
 from mha2mla.export import export_gguf
 from mha2mla.export import gguf as export_module
@@ -33,7 +33,7 @@ def _convert(tmp_path_factory, profile: str):
     source = build_source(base / "src", "llama", num_heads=4, num_kv_heads=2, with_tokenizer=False)
     tiny_tokenizer(384).save_pretrained(source)  # large enough to have BPE merges, which llama.cpp needs
     out = base / "mla"
-    convert(source, out, ConvertOptions(calib=None, kv_budget=0.5, profile=profile), progress=False)
+    convert(source, out, ConvertConfig(calib=None, kv_budget=0.5, profile=profile), progress=False)
     return out
 
 

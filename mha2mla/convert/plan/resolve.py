@@ -11,7 +11,7 @@ import torch
 
 from mha2mla import UserError
 from mha2mla.compute import resolve_compute_dtype
-from mha2mla.convert.options import ConvertOptions
+from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.plan.engines import Engine, engine, engine_shape
 from mha2mla.convert.plan.methods import Methods, product_methods
 from mha2mla.convert.plan.shape import DTYPES, SourceShape
@@ -115,7 +115,7 @@ class ConversionPlan:
         return data
 
 
-def _output_dtype(config: dict, options: ConvertOptions, source_format: str, rules: Engine) -> str:
+def _output_dtype(config: dict, options: ConvertConfig, source_format: str, rules: Engine) -> str:
     """``auto``: what the target engine serves (bfloat16 for the GPU engines), else the source's dtype —
     bfloat16 for a GGUF source, whose dequantised copy is float32 but whose weights never had float32
     precision (a float32 output would be several times its size for nothing)."""
@@ -129,7 +129,7 @@ def _output_dtype(config: dict, options: ConvertOptions, source_format: str, rul
     return name if name in DTYPES else "float32"
 
 
-def _sizes(shape: SourceShape, options: ConvertOptions, extra_channels: int, rules: Engine) -> tuple[int, int, int, list[str]]:
+def _sizes(shape: SourceShape, options: ConvertConfig, extra_channels: int, rules: Engine) -> tuple[int, int, int, list[str]]:
     """(kv_lora_rank, rope_dim, v_head_dim, warnings) from the budget or the explicit ranks, in shapes the
     target engine accepts."""
     warnings = []
@@ -186,7 +186,7 @@ def _source_warnings(config: dict, family: Family, exact: bool) -> list[str]:
     return warnings
 
 
-def make_plan(config: dict, family: Family, options: ConvertOptions, *, methods: Methods | None = None,
+def make_plan(config: dict, family: Family, options: ConvertConfig, *, methods: Methods | None = None,
               external_statistics: bool = False, source_format: str = "safetensors") -> ConversionPlan:
     """Resolve every choice once. ``methods`` overrides the product's method set (benchmarks only);
     ``external_statistics``: the caller supplies the calibration provider (it makes the plan calibrated);

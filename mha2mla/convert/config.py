@@ -1,4 +1,4 @@
-"""``ConvertOptions``: everything a user decides about a conversion, the only home of the defaults. The Python API
+"""``ConvertConfig``: everything a user decides about a conversion, the only home of the defaults. The Python API
 builds it directly; ``mha2mla convert`` builds it from a recipe's ``convert:`` section and the flags given
 (``mha2mla.recipes``), its options and help generated from these fields."""
 
@@ -16,7 +16,7 @@ WIDE_HIDDEN_SIZE = 4096
 CALIBRATION_KEYS = ("calib_samples", "calib_seq_len", "calib_device", "compute_dtype", "max_memory")
 
 
-class ConvertOptions(BaseModel):
+class ConvertConfig(BaseModel):
     """Unknown keys are rejected (typos in recipes fail loudly). The methods are not options: the plan picks the
     best method with calibration (docs/benchmarks.md), or the weight-only path with ``calib=None`` (``--calib none``)."""
 
