@@ -130,10 +130,9 @@ def target_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class RowOrder:
-    """The deterministic order in which training rows are visited: a fresh seeded permutation every epoch.
+    """The deterministic order in which in-memory training rows are visited: a fresh seeded permutation every epoch.
 
-    ``rows(start, count)`` gives the row indices of global positions ``start .. start+count-1``; the run's
-    data position is one integer (rows consumed), so a resumed run reads exactly the rows it would have."""
+    ``rows(start, count)`` gives the row indices of global positions ``start .. start+count-1``."""
 
     def __init__(self, num_rows: int, seed: int):
         self.num_rows = num_rows
@@ -154,6 +153,38 @@ class RowOrder:
         return torch.stack(out)
 
 
+class MemoryRows:
+    """Training rows held in memory (teacher-generated text), visited in a seeded permutation per epoch.
+
+    The interface every source of training rows has (stream.py's ``StreamRows`` too): ``rows_at(starts, size)``
+    gives rows ``[s, s+size)`` of the run's seeded order for each ``s`` in turn, concatenated; ``state_dict()`` is
+    the small JSON-able state a checkpoint keeps, ``load_state_dict`` continues exactly there. Here a row is
+    addressed by its position alone, so the state only names the rows and the seed, to refuse another run's."""
+
+    def __init__(self, packed: PackedSequences, seed: int):
+        self.packed = packed
+        self.order = RowOrder(len(packed), seed)
+
+    def rows_at(self, starts: list[int], size: int) -> dict[str, torch.Tensor]:
+        """(len(starts) * size, L) ``input_ids`` and ``position_ids``."""
+        return self.packed.rows(torch.cat([self.order.rows(start, size) for start in starts]))
+
+    def state_dict(self) -> dict:
+        return {"kind": "memory", "rows": len(self.packed), "seed": self.order.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state != self.state_dict():
+            raise UserError(f"the checkpoint's data position ({state}) is not for these training rows "
+                            f"({self.state_dict()}); resume with the settings and text the run started with.")
+
+    # the older row access, until every caller reads through rows_at
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def rows(self, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
+        return self.packed.rows(index)
+
+
 def evaluation_rows(config, tokenizer) -> PackedSequences:
     """The held-out rows of ``eval_data``: its first ``eval_sequences`` packed rows (all of them for 0)."""
     return build_packed(
@@ -161,7 +192,7 @@ def evaluation_rows(config, tokenizer) -> PackedSequences:
     )
 
 
-def prepare_data(config, tokenizer, rows_needed: int) -> tuple[PackedSequences, PackedSequences | None]:
+def prepare_data(config, tokenizer, rows_needed: int) -> tuple[MemoryRows, PackedSequences | None]:
     """The training rows and the held-out rows (``eval_data``, or the first rows of the training data; None when
     ``eval_sequences`` is 0). A run without ``data`` takes teacher-generated text instead (generated.py)."""
     held_out_here = 0 if config.eval_data else config.eval_sequences
@@ -170,9 +201,9 @@ def prepare_data(config, tokenizer, rows_needed: int) -> tuple[PackedSequences, 
     )
     _warn_if_unread(packed, config.data)
     if config.eval_data:
-        return packed, evaluation_rows(config, tokenizer)
+        return MemoryRows(packed, config.seed), evaluation_rows(config, tokenizer)
     if config.eval_sequences == 0:
-        return packed, None
+        return MemoryRows(packed, config.seed), None
     if len(packed) <= config.eval_sequences:
         raise UserError(
             f"the training data fills only {len(packed)} sequences of {config.seq_len} tokens, not enough to hold out "
@@ -180,4 +211,4 @@ def prepare_data(config, tokenizer, rows_needed: int) -> tuple[PackedSequences, 
             "--eval-sequences."
         )
     held_out, train = packed.split(config.eval_sequences)
-    return train, held_out
+    return MemoryRows(train, config.seed), held_out
