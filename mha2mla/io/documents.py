@@ -16,6 +16,13 @@ else the first of ``text``, ``content``, ``document``, ``body`` that holds a str
 those columns holding strings). Documents that are empty or only whitespace are skipped; a file that yields
 none is an error. Files must be UTF-8 (a leading byte-order mark is dropped).
 
+``units(spec)`` lists what a spec reads, in order (its files, or the dataset id itself), and
+``iter_located(unit, text_field, start)`` yields ``(locator, document)`` pairs of one of them, where a locator is a
+small JSON-able position a later call resumes at without reading what comes before, where the format allows: a
+JSON-lines file's byte offset (and line number), a parquet file's row group and row, a JSON file's item index
+(the file is parsed again), a dataset's record index (the records before it are skipped). A text file is one
+document (locator 0).
+
 Every problem with the input is a :class:`mha2mla.UserError` of one sentence that names the file (and the line or
 record). A missing path or a folder without readable files is reported when ``iter_documents`` is called; the rest
 when the reader reaches the file or record concerned.
@@ -25,7 +32,8 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 from mha2mla import UserError
@@ -41,9 +49,33 @@ _JSON_TYPES = {list: "an array", int: "a number", float: "a number", bool: "a bo
 
 def iter_documents(spec: str, text_field: str | None = None) -> Iterator[str]:
     """The documents of one file, folder or Hugging Face dataset id, in order (see the module docstring)."""
+    return (text for unit in units(spec) for _, text in iter_located(unit, text_field))
+
+
+def units(spec: str) -> list[str]:
+    """What ``spec`` reads, in order: its files (a missing path or an empty folder is an error now), or the dataset
+    id itself (checked for its syntax)."""
     if is_local(spec):
-        return _documents_in_files(resolve_files(spec), text_field)
-    return _documents_in_dataset(spec, text_field)
+        return [str(path) for path in resolve_files(spec)]
+    parse_dataset_id(spec)
+    return [spec]
+
+
+def iter_located(unit: str, text_field: str | None = None, start: object = None) -> Iterator[tuple[object, str]]:
+    """``(locator, document)`` of one file or dataset id from the document at ``start`` (a locator this function
+    yielded; None: the beginning). Blank documents are skipped; a unit read from its beginning that yields none is
+    an error."""
+    local = is_local(unit)
+    documents = _located_in_file(Path(unit), text_field, start) if local else _located_in_dataset(unit, text_field, start)
+    count = 0
+    for located in documents:
+        if located[1].strip():
+            count += 1
+            yield located
+    if count == 0 and start is None:
+        what = f"{Path(unit)} is empty (it holds no non-blank text); remove it or give it some text." if local else (
+            f"dataset {unit} holds no non-blank text; check the config, the split and the text field.")
+        raise UserError(what)
 
 
 def is_local(spec: str) -> bool:
@@ -67,27 +99,16 @@ def resolve_files(spec: str) -> list[Path]:
     return files
 
 
-def _documents_in_files(files: Iterable[Path], text_field: str | None) -> Iterator[str]:
-    for path in files:
-        count = 0
-        for text in _documents_in_file(path, text_field):
-            if text.strip():
-                count += 1
-                yield text
-        if count == 0:
-            raise UserError(f"{path} is empty (it holds no non-blank text); remove it or give it some text.")
-
-
-def _documents_in_file(path: Path, text_field: str | None) -> Iterator[str]:
+def _located_in_file(path: Path, text_field: str | None, start: object) -> Iterator[tuple[object, str]]:
     suffix = path.suffix.lower()
     if suffix in PLAIN_SUFFIXES:
-        yield read_text(path)
-    elif suffix == ".jsonl":
-        yield from _documents_in_json_lines(path, read_text(path), text_field)
+        yield 0, read_text(path)
+    elif suffix == ".jsonl" or (suffix == ".json" and isinstance(start, list)):
+        yield from _located_in_json_lines(path, text_field, start)
     elif suffix == ".json":
-        yield from _documents_in_json(path, read_text(path), text_field)
+        yield from _located_in_json(path, read_text(path), text_field, start or 0)
     else:
-        yield from _documents_in_parquet(path, text_field)
+        yield from _located_in_parquet(path, text_field, start or [0, 0])
 
 
 # ------------------------------------------------------------------------------------------------ text and JSON
@@ -107,32 +128,62 @@ def read_text(path: Path) -> str:
         raise UserError(f"{path} is not UTF-8 text (bad byte at offset {error.start}); re-encode it as UTF-8.") from None
 
 
-def _documents_in_json_lines(path: Path, text: str, text_field: str | None) -> Iterator[str]:
-    # split on "\n" only: str.splitlines would also split inside strings holding U+2028 and friends, which JSON allows
-    for line_number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path}:{line_number} is not valid JSON ({error.msg}); each line of a JSON-lines file "
-                            "must hold one string or object.") from None
-        yield record_text(record, text_field, f"{path}:{line_number}")
+def _decoded(path: Path, data: bytes, offset: int) -> str:
+    """``data`` (read at byte ``offset`` of ``path``) as UTF-8; NUL bytes (binary data, UTF-16) or bytes that are not
+    UTF-8 are a UserError naming the file offset."""
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise UserError(f"{path} is not UTF-8 text (NUL byte at offset {offset + nul}); give a text file encoded as UTF-8.")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {offset + error.start}); re-encode it as "
+                        "UTF-8.") from None
 
 
-def _documents_in_json(path: Path, text: str, text_field: str | None) -> Iterator[str]:
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a file (a leading byte-order mark dropped); NUL bytes or bytes that are not UTF-8 are a
+    UserError."""
+    data = path.read_bytes()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    return _decoded(path, data[bom:], bom)
+
+
+def _located_in_json_lines(path: Path, text_field: str | None, start: list | None) -> Iterator[tuple[list, str]]:
+    """Line by line from byte ``start[0]`` (line ``start[1]``): memory holds one line, never the file."""
+    offset, line_number = start or (0, 1)
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        if offset == 0 and handle.read(len(codecs.BOM_UTF8)) != codecs.BOM_UTF8:
+            handle.seek(0)
+        offset = handle.tell()
+        # lines end at b"\n" only: U+2028 and friends, which JSON strings may hold, are no line ends
+        for raw in handle:
+            line = _decoded(path, raw, offset)
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise UserError(f"{path}:{line_number} is not valid JSON ({error.msg}); each line of a JSON-lines "
+                                    "file must hold one string or object.") from None
+                yield [offset, line_number], record_text(record, text_field, f"{path}:{line_number}")
+            offset += len(raw)
+            line_number += 1
+
+
+def _located_in_json(path: Path, text: str, text_field: str | None, start: int) -> Iterator[tuple[object, str]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         if error.msg == "Extra data":  # several values, one a line: JSON lines under a .json name
-            yield from _documents_in_json_lines(path, text, text_field)
+            yield from _located_in_json_lines(path, text_field, None)
             return
         raise UserError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}).") from None
     if isinstance(data, list):
-        for index, record in enumerate(data):
-            yield record_text(record, text_field, f"{path} item {index}")
+        for index in range(start, len(data)):
+            yield index, record_text(data[index], text_field, f"{path} item {index}")
     else:
-        yield record_text(data, text_field, str(path))
+        yield 0, record_text(data, text_field, str(path))
 
 
 def record_text(record: object, text_field: str | None, where: str) -> str:
@@ -158,7 +209,8 @@ def record_text(record: object, text_field: str | None, where: str) -> str:
 # ------------------------------------------------------------------------------------------------ parquet
 
 
-def _documents_in_parquet(path: Path, text_field: str | None) -> Iterator[str]:
+def _located_in_parquet(path: Path, text_field: str | None, start: list) -> Iterator[tuple[list, str]]:
+    """Row group by row group from row ``start[1]`` of group ``start[0]``: memory holds one batch of rows."""
     try:  # optional dependency (the mha2mla[parquet] extra), only needed for .parquet files
         import pyarrow.parquet as pq
         import pyarrow.types as pa_types
@@ -179,10 +231,14 @@ def _documents_in_parquet(path: Path, text_field: str | None) -> Iterator[str]:
         if column is None:
             raise UserError(f"{path} has no string column among {', '.join(TEXT_FIELDS)}; name the column that holds "
                             "the text.")
-    for batch in parquet.iter_batches(columns=[column], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            if value is not None:  # a null cell is a row without text
-                yield value
+    first_group, first_row = start
+    for group in range(first_group, parquet.num_row_groups):
+        row = 0
+        for batch in parquet.iter_batches(columns=[column], batch_size=1024, row_groups=[group]):
+            for value in batch.column(0).to_pylist():
+                if value is not None and (group, row) >= (first_group, first_row):  # a null cell is a row without text
+                    yield [group, row], value
+                row += 1
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face datasets
@@ -197,7 +253,8 @@ def parse_dataset_id(spec: str) -> tuple[str, str | None, str]:
     return name, config or None, split or DEFAULT_SPLIT
 
 
-def _documents_in_dataset(spec: str, text_field: str | None) -> Iterator[str]:
+def _located_in_dataset(spec: str, text_field: str | None, start: int | None) -> Iterator[tuple[int, str]]:
+    """Records in the dataset's order from record ``start`` (the records before it are streamed past, not read)."""
     name, config, split = parse_dataset_id(spec)
     try:  # optional and slow to import: only loaded when a dataset id is read
         from datasets import load_dataset
@@ -208,7 +265,8 @@ def _documents_in_dataset(spec: str, text_field: str | None) -> Iterator[str]:
         records = iter(load_dataset(name, config, split=split, streaming=True))
     except Exception as error:  # datasets raises many error types (not found, offline, bad config)
         raise _not_loadable(spec, error) from None
-    index = yielded = 0
+    index = start or 0
+    records = islice(records, index, None)
     while True:
         try:
             record = next(records)
@@ -216,13 +274,8 @@ def _documents_in_dataset(spec: str, text_field: str | None) -> Iterator[str]:
             break
         except Exception as error:  # a network failure half-way through the stream
             raise _not_loadable(spec, error) from None
-        text = record_text(record, text_field, f"dataset {spec} record {index}")
+        yield index, record_text(record, text_field, f"dataset {spec} record {index}")
         index += 1
-        if text.strip():
-            yielded += 1
-            yield text
-    if yielded == 0:
-        raise UserError(f"dataset {spec} holds no non-blank text; check the config, the split and the text field.")
 
 
 def _not_loadable(spec: str, error: Exception) -> UserError:
@@ -235,5 +288,5 @@ def _first_line(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-__all__ = ["TEXT_FIELDS", "TEXT_SUFFIXES", "is_local", "iter_documents", "parse_dataset_id", "read_text",
-           "record_text", "resolve_files"]
+__all__ = ["TEXT_FIELDS", "TEXT_SUFFIXES", "is_local", "iter_documents", "iter_located", "parse_dataset_id",
+           "read_text", "record_text", "resolve_files", "units"]
