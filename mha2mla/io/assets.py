@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from pathlib import Path
 
-from mha2mla.io.cache import cached_held_out_text
+from mha2mla import UserError
+from mha2mla.io.cache import FETCH_HINT, cache_dir, cached_held_out_text
 
 HEALING_FRACTION = 0.30  # the training part of each text: its start, far from the held-out slice a third in
 DOCUMENT_CHARACTERS = 4000  # the size of one training document, cut at a line end
@@ -103,3 +106,81 @@ def fortunes_text(files: list[str]) -> str:
     parts = [fortune_entries(raw) for raw in files]
     keyed = [(i / len(part), f, entry) for f, part in enumerate(parts) for i, entry in enumerate(part)]
     return "\n".join(entry for _, _, entry in sorted(keyed, key=lambda item: item[:2]))
+
+
+# ---------------------------------------------------------------- the general healing texts (docs/recover.md)
+# Real text from domains that neither the yardstick (fortunes, Debian policy) nor an independent dictionary check
+# reads, one file each in the cache's text/general/ folder, fetched by ``make assets`` from Debian packages.
+GENERAL_TEXTS = {
+    "austen": "Jane Austen's six novels (fiction: narration and dialogue; r-cran-janeaustenr)",
+    "cpp_annotations": "the C++ Annotations (a programming textbook; c++-annotations-txt)",
+    "git_docs": "Git's user manual, tutorials and command manuals (software manuals; git-doc)",
+}
+
+
+def general_text_path(name: str) -> Path:
+    """Where general healing text ``name`` (a key of GENERAL_TEXTS) lives in the cache; it may be absent."""
+    if name not in GENERAL_TEXTS:
+        raise UserError(f"unknown general text {name!r}; choose one of {', '.join(GENERAL_TEXTS)}.")
+    return cache_dir() / "text" / "general" / f"{name}.txt"
+
+
+def cached_general_text(name: str) -> Path:
+    """The file of general healing text ``name``, or a UserError saying how to fetch it."""
+    path = general_text_path(name)
+    if not path.is_file():
+        raise UserError(f"{GENERAL_TEXTS[name]} is not in {path}; {FETCH_HINT}.")
+    return path
+
+
+def r_character_vector(serialized: bytes) -> list[str]:
+    """The strings of one R character vector serialized in R's XDR format (version 2 or 3), as a lazy-load database
+    stores each object: header ``X\\n``, three version integers (and, in version 3, the native encoding's name), then
+    the STRSXP (type 16) with its length and one CHARSXP (type 9: flags, byte length, bytes; length -1 is NA) per
+    element. NA elements are skipped; anything else is a ValueError."""
+    def integer(at: int) -> int:
+        return struct.unpack(">i", serialized[at:at + 4])[0]
+
+    if serialized[:2] != b"X\n":
+        raise ValueError("not an R XDR serialization")
+    position = 14 if integer(2) == 2 else 18 + integer(14)  # past the versions (and the encoding's name)
+    if integer(position) & 0xFF != 16:
+        raise ValueError("the serialized object is not a character vector")
+    count, position, strings = integer(position + 4), position + 8, []
+    for _ in range(count):
+        if integer(position) & 0xFF != 9:
+            raise ValueError("a character vector element is not a CHARSXP")
+        length = integer(position + 4)
+        position += 8
+        if length >= 0:
+            strings.append(serialized[position:position + length].decode("utf-8", errors="replace"))
+            position += length
+    return strings
+
+
+def r_lazy_load_vectors(database: bytes) -> list[list[str]]:
+    """Every character vector stored in an R lazy-load database (``Rdata.rdb``: objects back to back, each a 4-byte
+    big-endian length then a zlib stream of its serialization), in file order; other objects are skipped."""
+    vectors, position = [], 0
+    while position < len(database):
+        stream = zlib.decompressobj()
+        raw = stream.decompress(database[position + 4:])
+        position = len(database) - len(stream.unused_data)
+        try:
+            vectors.append(r_character_vector(raw))
+        except (ValueError, struct.error):
+            continue
+    return vectors
+
+
+def novel_text(lines: list[str]) -> str:
+    """A novel stored one printed line per element: paragraphs (runs of non-empty lines) joined into one line each,
+    a blank line between them, as ``plain_text``."""
+    paragraphs, current = [], []
+    for line in [*lines, ""]:
+        if line.strip():
+            current.append(line.strip())
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    return plain_text("\n\n".join(paragraphs))
