@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                 rows.append(run_case(case, tree, args, work, libraries[tree]))
                 print(json.dumps(rows[-1]), flush=True)
     settings = {"cases": args.cases, "steps": args.steps, "baseline_commit": args.baseline_commit}
-    harness.report("recover_memory", settings, rows, args.json)
+    harness.report("recover_memory", settings, rows, args.json_out)
     return 0
 
 
