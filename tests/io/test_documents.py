@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mha2mla import UserError
-from mha2mla.io.documents import TEXT_SUFFIXES, iter_documents, parse_dataset_id
+from mha2mla.io.documents import TEXT_SUFFIXES, iter_documents, iter_located, parse_dataset_id
 
 
 def _read(spec, text_field=None) -> list[str]:
@@ -244,3 +244,34 @@ def test_a_file_that_is_not_parquet(tmp_path):
     path.write_text("just text")
     with pytest.raises(UserError, match=r"fake\.parquet is not a readable parquet file"):
         _read(path)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".json-lines", ".parquet", ".txt"])
+def test_reading_resumes_at_any_locator_with_the_same_documents(tmp_path, suffix):
+    texts = [f"document {i} " + "é" * i for i in range(12)] + ["", "last"]
+    path = tmp_path / f"docs{suffix.replace('-lines', '')}"
+    if suffix == ".parquet":
+        pq, pa = pytest.importorskip("pyarrow.parquet"), pytest.importorskip("pyarrow")
+        pq.write_table(pa.table({"text": texts}), path, row_group_size=5)
+    elif suffix == ".json":
+        path.write_text(json.dumps([{"text": t} for t in texts]), encoding="utf-8")
+    elif suffix == ".txt":
+        path.write_text("one document", encoding="utf-8")
+    else:  # JSON lines, under .jsonl or .json, a blank line among them
+        path.write_text("\ufeff" + "".join(json.dumps({"text": t}) + "\n" + ("\n" if i == 3 else "")
+                                           for i, t in enumerate(texts)), encoding="utf-8")
+    located = list(iter_located(str(path)))
+    assert [text for _, text in located] == ([t for t in texts if t] if suffix != ".txt" else ["one document"])
+    for index, (locator, _) in enumerate(located):
+        assert list(iter_located(str(path), None, json.loads(json.dumps(locator)))) == located[index:]
+
+
+def test_a_dataset_resumes_at_a_record_index(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    records = [{"text": "a"}, {"text": " "}, {"text": "c"}, {"label": 1}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: iter(records))
+    with pytest.raises(UserError, match=r"dataset org/name record 3 has no string field"):
+        list(iter_located("org/name", None, 2))
+    records.pop()
+    assert list(iter_located("org/name")) == [(0, "a"), (2, "c")]
+    assert list(iter_located("org/name", None, 2)) == [(2, "c")]
