@@ -16,7 +16,6 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,6 @@ from mha2mla.convert.output.portable import portable_violations
 from mha2mla.convert.output.serving import serving_sections
 from mha2mla.convert.output.target_config import deepseek_config
 from mha2mla.convert.plan.engines import engine_violations
-from mha2mla.convert.plan.methods import Methods
 from mha2mla.convert.plan.resolve import ConversionPlan, make_plan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.convert.steps.attention import convert_attention
@@ -91,17 +89,10 @@ def convert(
     force: bool = False,
     dry_run: bool = False,
     progress: bool = True,
-    statistics: Sequence[LayerStatistics] | None = None,
-    calibration_tokens: torch.Tensor | None = None,
-    methods: Methods | None = None,
     command: str | None = None,
 ) -> ConversionResult:
-    """Convert ``source`` (folder, .gguf or hub id) into a DeepSeek-V3 MLA checkpoint at ``out``.
-
-    ``statistics``: every layer's statistics, computed beforehand, instead of the calibration stream (only for
-    methods that neither fit layers nor calibrate sequentially); ``calibration_tokens``: (N, L) token ids to calibrate
-    on instead of the options' text; ``methods``: another method set than the product's (benchmarks;
-    plan/methods.py)."""
+    """Convert ``source`` (folder, .gguf or hub id) into a DeepSeek-V3 MLA checkpoint at ``out``, as ``options``
+    say (the calibration text, sizes and device among them); ``command``: the command line the report records."""
     options = options or ConvertConfig()
     started = time.time()
     check_device(options.calib_device, "--calib-device")
@@ -110,23 +101,15 @@ def convert(
         prepare_out(out, force, source)
     ckpt = open_source(source)
     family = family_for_config(ckpt.config)
-    given = statistics is not None or calibration_tokens is not None  # calibration supplied by the caller
-    plan = make_plan(ckpt.config, family, options, methods=methods, external_statistics=given,
+    plan = make_plan(ckpt.config, family, options,
                      source_format="gguf" if str(source).lower().endswith(".gguf") else "safetensors")
-    if statistics is not None and (plan.methods.fits_layers or plan.methods.sequential):
-        raise ValueError("precomputed statistics cannot follow the converted model: give methods without refit, "
-                         "reconstruction or sequential calibration, or let convert calibrate")
     if dry_run or out is None:
         return ConversionResult(out=None, plan=plan, report={"plan": plan.to_dict()})
     reader = SourceReader(ckpt, family, plan)
-    stream = None
-    if calibration_tokens is not None:
-        stream = CalibrationStream(reader, calibration_tokens, device=options.calib_device)
-    elif plan.calibrated and statistics is None:
-        stream = calibration_stream(reader)
+    stream = calibration_stream(reader) if plan.calibrated else None
 
     with staged_output(out, force=force) as tmp:  # swapped into OUT only once everything is written
-        report = _write_checkpoint(reader, tmp, stream, statistics, progress)
+        report = _write_checkpoint(reader, tmp, stream, progress)
         report.update(
             source=str(source), command=command or _command_line(), mha2mla_version=__version__,
             options=options.model_dump(), elapsed_seconds=round(time.time() - started, 2),
@@ -139,16 +122,13 @@ def convert(
     return ConversionResult(out=out, plan=plan, report=report)
 
 
-def _convert_layer(reader: SourceReader, layer: int, stream: CalibrationStream | None,
-                   statistics: Sequence[LayerStatistics] | None) -> LayerWork:
-    """One layer's attention: the stream enters the layer and measures it (or the given statistics), the plan's
-    steps convert it, and the stream advances through it (through the converted attention when sequential)."""
+def _convert_layer(reader: SourceReader, layer: int, stream: CalibrationStream | None) -> LayerWork:
+    """One layer's attention: the stream enters the layer and measures it (no statistics on the weight-only path),
+    the plan's steps convert it, and the stream advances through it (through the converted attention when
+    sequential)."""
     plan = reader.plan
     activations = stream.enter(layer) if stream is not None else None
-    if activations is not None:
-        stats = measure(activations)
-    else:
-        stats = statistics[layer] if statistics is not None else LayerStatistics()
+    stats = measure(activations) if activations is not None else LayerStatistics()
     work = LayerWork(layer=layer, plan=plan, source=reader.attention(layer, stats), stats=stats, activations=activations)
     tensors = convert_attention(work)
     if stream is not None:
@@ -157,7 +137,7 @@ def _convert_layer(reader: SourceReader, layer: int, stream: CalibrationStream |
     return work
 
 
-def _write_checkpoint(reader: SourceReader, folder: Path, stream, statistics, progress: bool) -> dict:
+def _write_checkpoint(reader: SourceReader, folder: Path, stream: CalibrationStream | None, progress: bool) -> dict:
     plan, ckpt = reader.plan, reader.ckpt
     writer = ShardedWriter(folder, max_shard_bytes=plan.max_shard_size, dtype=plan.torch_dtype)
     writer.add("model.embed_tokens.weight", reader.embed())
@@ -165,7 +145,7 @@ def _write_checkpoint(reader: SourceReader, folder: Path, stream, statistics, pr
     description = "converting" + (" (calibrated)" if plan.calibrated else " (weight-only)")
     for layer in _progress(range(plan.shape.num_layers), plan.shape.num_layers, progress, description):
         layer_started = time.time()
-        work = _convert_layer(reader, layer, stream, statistics)
+        work = _convert_layer(reader, layer, stream)
         work.report["seconds"] = round(time.time() - layer_started, 2)
         prefix = f"model.layers.{layer}"
         for name, tensor in work.tensors.items():

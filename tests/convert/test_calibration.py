@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from contextlib import contextmanager
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from mha2mla.convert.calibration.measure import measure
 from mha2mla.convert.calibration.stream import CalibrationStream
 from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.pipeline import convert
+from mha2mla.convert.plan import resolve
 from mha2mla.convert.plan.methods import Methods, product_methods
 from mha2mla.convert.plan.resolve import make_plan
 from mha2mla.convert.source_reader import SourceReader
@@ -61,11 +64,37 @@ def calibrated(profile="exact", sequential=True, **changes) -> Methods:
     return dataclasses.replace(product_methods(profile, calibrated=True), sequential=sequential, **changes)
 
 
+@contextmanager
+def methods_in_plan(methods: Methods):
+    """Plans made inside resolve to ``methods`` on the calibrated path instead of the product's set: the
+    ablations' exactness is tested without a product parameter for them."""
+    product = resolve.product_methods
+    with mock.patch.object(resolve, "product_methods", lambda profile, calibrated, reconstruct=True:
+                           methods if calibrated else product(profile, calibrated, reconstruct)):
+        yield
+
+
+def default_tokens(folder, samples: int, seq_len: int, calib: str = "default") -> torch.Tensor:
+    """(samples, seq_len): the token ids a conversion of ``folder`` with ``calib`` calibrates on."""
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return calibration_token_ids(calibration_documents(calib), tokenizer, samples, seq_len)
+
+
+def random_text(path, seed: int, characters: int = 60_000) -> str:
+    """A calibration text file of random letters and spaces: its windows are alike, so a held-out window behaves like
+    the ones fitted on (the bundled sample ends in code the rest does not resemble)."""
+    generator = torch.Generator().manual_seed(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz     "
+    path.write_text("".join(alphabet[i] for i in torch.randint(0, len(alphabet), (characters,), generator=generator)))
+    return str(path)
+
+
 def stream_for(folder, tokens, sequential, profile="exact", **options) -> CalibrationStream:
     ckpt = open_source(folder)
     family = family_for_config(ckpt.config)
     options.setdefault("compute_dtype", "float32")  # statistics compared with float32 computations
-    plan = make_plan(ckpt.config, family, ConvertConfig(profile=profile, **options), methods=calibrated(profile, sequential))
+    with methods_in_plan(calibrated(profile, sequential)):
+        plan = make_plan(ckpt.config, family, ConvertConfig(profile=profile, **options))
     return CalibrationStream(SourceReader(ckpt, family, plan), tokens, device="cpu")
 
 
@@ -146,8 +175,8 @@ def test_attention_statistics_equal_a_direct_computation(sources, name, layer, m
 def test_sequential_statistics_follow_the_converted_layer(sources, monkeypatch):
     """Layer 1's statistics come from the converted layer 0: equal to the source's when that layer is
     exact (MQA, full capacity), different when it is cut to a low rank."""
-    tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(3))
     folder = sources["llama_mqa"]
+    tokens = default_tokens(folder, 2, 24)
     covariance, _ = direct_statistics(folder, tokens, 1)
     seen = {}
 
@@ -158,8 +187,9 @@ def test_sequential_statistics_follow_the_converted_layer(sources, monkeypatch):
     monkeypatch.setattr(pipeline, "measure", recording)
     for rank, should_match in ((2 * HEAD_DIM + 1, True), (4, False)):
         out = folder.parent / f"seq_rank{rank}"
-        options = ConvertConfig(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM, compute_dtype="float32")
-        convert(folder, out, options, calibration_tokens=tokens, progress=False, force=True)
+        options = ConvertConfig(profile="exact", kv_lora_rank=rank, rope_dim=HEAD_DIM, compute_dtype="float32",
+                                calib_samples=2, calib_seq_len=24)
+        convert(folder, out, options, progress=False, force=True)
         close = torch.allclose(seen[1].input_covariance, covariance, rtol=1e-4, atol=1e-4)
         assert close == should_match, (rank, (seen[1].input_covariance - covariance).abs().max())
 
@@ -168,14 +198,13 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
     """The refit's reported errors of layer 0 (the same input in both streams) equal the errors of the
     written checkpoint measured directly: its heads' outputs against the source heads' (eager attention)
     before o_proj, and its attention output against the source's after it."""
-    tokens = torch.randint(0, 384, (4, 24), generator=torch.Generator().manual_seed(6))
     folder = sources["llama_gqa"]
-    ckpt = open_source(folder)
-    family = family_for_config(ckpt.config)
-    options = ConvertConfig(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, reconstruct=False)
-    plan = make_plan(ckpt.config, family, options, external_statistics=True)
-    assert plan.methods.refit == "ridge" and plan.methods.sequential  # the default (reconstruction off: the refit's own output)
-    result = convert(folder, tmp_path / "out", options, calibration_tokens=tokens, progress=False)
+    tokens = default_tokens(folder, 4, 24)
+    options = ConvertConfig(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, reconstruct=False,
+                            calib_samples=4, calib_seq_len=24)
+    result = convert(folder, tmp_path / "out", options, progress=False)
+    # the default (reconstruction off: the refit's own output)
+    assert result.plan.methods.refit == "ridge" and result.plan.methods.sequential
     report = result.report["layers"][0]
     assert report["v_output_error_refit"] < report["v_output_error"]  # it validated, and helped
 
@@ -211,51 +240,6 @@ def test_the_stream_goes_through_the_layers_in_order(sources):
     assert stream.enter(1).layer == 1
 
 
-# --- calibration supplied by the caller -----------------------------------------------------------------
-
-def test_portable_conversion_on_caller_supplied_tokens(sources, tmp_path):
-    """Calibration tokens passed to convert() make the plan calibrated, stabiliser channel included (this
-    raised "unknown norm calibration 'stabilized'" when the options carried no calibration text)."""
-    tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(7))
-    ckpt = open_source(sources["llama_gqa"])
-    family = family_for_config(ckpt.config)
-    options = ConvertConfig(profile="portable", kv_budget=0.5, calib=None)
-    plan = make_plan(ckpt.config, family, options, external_statistics=True)
-    assert plan.methods.kv_norm == "stabilized" and plan.extra_channels == 1
-    result = convert(sources["llama_gqa"], tmp_path / "out", options, calibration_tokens=tokens, progress=False)
-    assert result.report["methods"] == plan.methods.to_dict()
-    assert "v_output_error_refit" in result.report["layers"][0]  # the refit the report names really ran
-
-
-def test_precomputed_statistics_are_refused_for_methods_that_follow_the_converted_model(sources, tmp_path):
-    """Statistics computed beforehand cannot feed a refit, a reconstruction or sequential calibration: refused
-    before anything is written, not silently run without them."""
-    with pytest.raises(ValueError, match="precomputed statistics cannot follow the converted model"):
-        convert(sources["llama_gqa"], tmp_path / "out", ConvertConfig(kv_budget=0.5), progress=False,
-                statistics=[LayerStatistics()] * 2)
-    assert not (tmp_path / "out").exists()
-
-
-def test_precomputed_statistics_convert_as_the_stream_would(sources, tmp_path):
-    """Source-stream methods without fit steps give the same checkpoint from statistics measured beforehand as
-    from the stream inside convert (how benchmarks/quality.py reuses one measurement across budgets)."""
-    tokens = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(9))
-    methods = calibrated(sequential=False, refit="none", reconstruct="none")
-    options = ConvertConfig(profile="exact", kv_budget=0.5, compute_dtype="float32")  # as stream_for
-    stream = stream_for(sources["llama_gqa"], tokens, sequential=False, kv_budget=0.5)
-    layers = []
-    for layer in range(2):
-        activations = stream.enter(layer)
-        layers.append(measure(activations))
-        stream.advance(activations, None)
-    convert(sources["llama_gqa"], tmp_path / "given", options, statistics=layers, methods=methods, progress=False)
-    convert(sources["llama_gqa"], tmp_path / "stream", options, calibration_tokens=tokens, methods=methods, progress=False)
-    from safetensors.torch import load_file
-
-    given, streamed = load_file(tmp_path / "given" / "model.safetensors"), load_file(tmp_path / "stream" / "model.safetensors")
-    assert given.keys() == streamed.keys() and all(torch.equal(given[k], streamed[k]) for k in given)
-
-
 # --- every method keeps full-capacity conversions exact (docs/design.md §3 ladder, rung a) ----------
 
 METHOD_GRID = {  # the product's two sets, and the ablations the quality benchmark re-measures
@@ -273,7 +257,8 @@ def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, na
     methods = METHOD_GRID[label]
     options = ConvertConfig(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="default", compute_dtype="float32",
                              calib_samples=4, calib_seq_len=32)
-    result = convert(sources[name], tmp_path / "out", options, progress=False, methods=methods)
+    with methods_in_plan(methods):
+        result = convert(sources[name], tmp_path / "out", options, progress=False)
     assert result.report["methods"] == methods.to_dict() and result.plan.calibrated
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
@@ -295,7 +280,8 @@ def test_weight_only_is_exact_at_full_capacity(sources, input_ids, tmp_path, nam
 @pytest.mark.parametrize("norm", ["rms", "stabilized"])
 def test_portable_norm_calibrations_write_valid_outputs_and_differ(sources, input_ids, tmp_path, norm):
     options = ConvertConfig(profile="portable", kv_budget=0.5, calib="default", calib_samples=4, calib_seq_len=32)
-    convert(sources["llama_gqa"], tmp_path / "out", options, progress=False, methods=calibrated("portable", kv_norm=norm))
+    with methods_in_plan(calibrated("portable", kv_norm=norm)):
+        convert(sources["llama_gqa"], tmp_path / "out", options, progress=False)
     from safetensors.torch import load_file
 
     weights = load_file(str(next((tmp_path / "out").glob("model*.safetensors"))))
@@ -475,7 +461,8 @@ def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sou
 def test_reconstruction_keeps_full_capacity_exact(sources, input_ids, tmp_path, name):
     options = ConvertConfig(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib_samples=8, calib_seq_len=32,
                              compute_dtype="float32")
-    result = convert(sources[name], tmp_path / "out", options, progress=False, methods=calibrated(reconstruct="gradient"))
+    result = convert(sources[name], tmp_path / "out", options, progress=False)  # the default: reconstruction included
+    assert result.plan.methods.reconstruct == "gradient"
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
     assert all(layer["reconstruction_error_after"] <= layer["reconstruction_error"] for layer in result.report["layers"])
@@ -487,11 +474,12 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
     target is the source attention output, layer 1's also carries the residual drift layer 0 left."""
     from mha2mla.convert.steps import reconstruct as module
 
-    tokens = torch.randint(0, 384, (32, 64), generator=torch.Generator().manual_seed(8))
     folder = sources["llama_gqa"]
-    options = ConvertConfig(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, compute_dtype="float32")
-    methods = calibrated(reconstruct="gradient")
-    result = convert(folder, tmp_path / "out", options, calibration_tokens=tokens, progress=False, methods=methods)
+    calib = random_text(tmp_path / "calib.txt", seed=8)
+    tokens = default_tokens(folder, 32, 64, calib)
+    options = ConvertConfig(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, compute_dtype="float32",
+                            calib=calib, calib_samples=32, calib_seq_len=64)
+    result = convert(folder, tmp_path / "out", options, progress=False)
     layers = result.report["layers"]
     assert all(layer["reconstruction_error_after"] < layer["reconstruction_error"] for layer in layers), [
         (layer["reconstruction_error"], layer["reconstruction_error_after"]) for layer in layers]

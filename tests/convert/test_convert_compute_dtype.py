@@ -44,8 +44,7 @@ def test_weight_only_refuses_a_compute_dtype():
 def test_the_stream_computes_in_bf16_and_keeps_float32_residuals(llama_source):
     ckpt = open_source(llama_source)
     family = family_for_config(ckpt.config)
-    plan = make_plan(ckpt.config, family, ConvertConfig(profile="exact", kv_budget=0.5, compute_dtype="bfloat16"),
-                     external_statistics=True)
+    plan = make_plan(ckpt.config, family, ConvertConfig(profile="exact", kv_budget=0.5, compute_dtype="bfloat16"))
     tokens = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(3))
     stream = CalibrationStream(SourceReader(ckpt, family, plan), tokens, device="cpu")
     activations = stream.enter(0)
@@ -57,9 +56,13 @@ def test_the_stream_computes_in_bf16_and_keeps_float32_residuals(llama_source):
 
 
 def convert_with(folder, out, compute_dtype, **options):
-    tokens = torch.randint(0, 384, (32, 64), generator=torch.Generator().manual_seed(8))
-    options = ConvertConfig(profile="exact", compute_dtype=compute_dtype, **options)
-    return convert(folder, out, options, calibration_tokens=tokens, progress=False)
+    calib = out.parent / "calib.txt"  # random letters: held-out windows like the fitted ones
+    if not calib.exists():
+        letters = torch.randint(0, 31, (60_000,), generator=torch.Generator().manual_seed(8))
+        calib.write_text("".join("abcdefghijklmnopqrstuvwxyz     "[i] for i in letters))
+    options = ConvertConfig(profile="exact", compute_dtype=compute_dtype, calib=str(calib), calib_samples=32,
+                            calib_seq_len=64, **options)
+    return convert(folder, out, options, progress=False)
 
 
 def test_bf16_reconstruction_lowers_the_error_with_float32_masters(llama_source, tmp_path):

@@ -2,8 +2,8 @@
 
 The product uses exactly two method sets (``product_methods``): the calibrated one, the best in
 docs/benchmarks.md, and the weight-only one (``--calib none``), fast but poor without recovery.
-Other combinations are reachable only from Python (``convert(..., methods=Methods(...))``), which is
-how ``benchmarks/quality.py`` re-measures the ablations.
+``make_plan`` picks one of them from the options; nothing else chooses methods. The other registered steps are
+the ablations that docs/benchmarks.md measured; the tests keep each of them exact at full capacity.
 """
 
 from __future__ import annotations

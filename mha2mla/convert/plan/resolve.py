@@ -186,11 +186,10 @@ def _source_warnings(config: dict, family: Family, exact: bool) -> list[str]:
     return warnings
 
 
-def make_plan(config: dict, family: Family, options: ConvertConfig, *, methods: Methods | None = None,
-              external_statistics: bool = False, source_format: str = "safetensors") -> ConversionPlan:
-    """Resolve every choice once. ``methods`` overrides the product's method set (benchmarks only);
-    ``external_statistics``: the caller supplies the calibration provider (it makes the plan calibrated);
-    ``source_format``: ``gguf`` sources (quantised or half precision) default to a bfloat16 output."""
+def make_plan(config: dict, family: Family, options: ConvertConfig, *, source_format: str = "safetensors") -> ConversionPlan:
+    """Resolve every choice once: the product's method set for ``options`` (plan/methods.py), sizes, dtypes and
+    the calibration settings. ``source_format``: ``gguf`` sources (quantised or half precision) default to a
+    bfloat16 output."""
     shape = SourceShape.from_config(config, family)
     if shape.num_heads % shape.num_kv_heads:
         raise UserError(f"num_attention_heads {shape.num_heads} is not a multiple of num_key_value_heads {shape.num_kv_heads}.")
@@ -201,11 +200,11 @@ def make_plan(config: dict, family: Family, options: ConvertConfig, *, methods: 
     if options.profile not in rules.profiles:
         raise UserError(f"--target {options.target} serves the portable profile only ({rules.label} has no attention "
                         "biases); drop --profile exact.")
-    calibrated = options.calibrated or external_statistics
-    methods = methods or product_methods(options.profile, calibrated, options.reconstruct)
+    calibrated = options.calibrated
+    methods = product_methods(options.profile, calibrated, options.reconstruct)
     methods.check(options.profile)
     if methods.needs_statistics and not calibrated:
-        raise ValueError("these methods need calibration statistics; give calib or a statistics provider")
+        raise ValueError("internal error: a method set that needs statistics on the weight-only path")
     activation = config.get("hidden_act", "silu")
     if not exact and activation != "silu":
         raise UserError(f"the source MLP uses {activation}, but serving engines' DeepSeek MLP is silu only; use --profile exact.")
@@ -218,7 +217,7 @@ def make_plan(config: dict, family: Family, options: ConvertConfig, *, methods: 
     untie = untie or shape.embedding_scale != 1.0 or shape.logits_scale != 1.0  # tied weights would carry one scale
     stride = options.rope_stride or default_rope_stride(shape.rotating_dims, rope_dim)
     calibration = None
-    if methods.needs_statistics and not external_statistics:
+    if methods.needs_statistics:
         samples = options.calib_samples_for(shape.hidden_size)
         calibration = CalibrationSettings(options.calib, samples, options.calib_seq_len, options.calib_device,
                                           options.max_memory)
