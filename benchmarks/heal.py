@@ -1,18 +1,25 @@
-"""Recovery, the curve and the score: healing SmolLM2-135M's small-budget conversions with `mha2mla recover`. Each run is the CLI itself
-(timed wall clock, its own curve on a small held-out slice), then every output is scored on the acceptance slices
-(16,384 tokens of the KJV and of the Python docs, 512-token windows, as benchmarks/quality.py) next to the source.
+"""Recovery, the curve and the score: healing SmolLM2-135M's small-budget conversions with `mha2mla recover`. Each run is
+the CLI itself (timed wall clock, its own curve on a small held-out slice), then every output is scored next to the
+source on the in-domain slices (16,384 tokens of the KJV and of the Python docs, whose first 30% the in-domain
+healing text reads) and the unseen ones (the same of the fortunes and of the Debian Policy Manual, which no healing
+text reads), 512-token windows as benchmarks/quality.py, and on the unseen continuation tasks fortunes_mc and
+debian_policy_mc (their items, scored as lm-eval scores them).
 
     python benchmarks/heal.py prepare                                   # training text + curve slices, once
     OMP_NUM_THREADS=1 python benchmarks/heal.py run NAME --converted PATH [--no-data] -- \
         --full-layers --lr 3e-4 ...
-    python benchmarks/heal.py score NAME [NAME ...] [--converted PATH ...]   # JSON + Markdown table
+    python benchmarks/heal.py score NAME [NAME ...] [--converted PATH ...] [--items N]   # JSON + Markdown table
+    python benchmarks/heal.py curve NAME --converted PATH     # the slices along a run's kept checkpoints
+    python benchmarks/heal.py mix --generated FOLDER          # teacher-generated + general text, taking turns
     python benchmarks/heal.py regions NAME [NAME ...] [--converted PATH ...] # × source along each text
 
 ``run`` passes everything after ``--`` to `mha2mla recover` (data, held-out curve slice, seq len 512 and the
-output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text, for teacher-generated
+output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text: the run's default healing
 text). Training text: ``mha2mla.io.assets.healing_text_path()`` (the first 30% of the KJV and of the Python docs,
 every ~4000-character document of those parts, interleaved by position; ``--data`` after ``--`` for another, e.g.
-the balanced one of the 12.5% recipe), far from the held-out slices, which start a third into each file. The curve slice is the first 2,048 tokens of each acceptance slice (8 rows of 512).
+the general one, ``mha2mla.train.healing_data.general_data_path()``), far from the held-out slices, which start a
+third into each file. The curve slice is the first 2,048 tokens of each in-domain slice (8 rows of 512); ``curve``
+scores every slice at each checkpoint a run kept (``--keep-checkpoints N --keep-checkpoints-after-run``).
 WORK is --work (default ``$MHA2MLA_CACHE/heal``). Training speed side by side: benchmarks/recover_speed.py.
 """
 
@@ -31,6 +38,13 @@ from harness import HELD_OUT_SLICES as SLICES
 from harness import SLICE_TOKENS
 
 CURVE_TOKENS = 2048
+CURVE_SCORE_TOKENS = 4096  # per slice, for each checkpoint of ``curve``
+IN_DOMAIN_SLICES = SLICES  # the texts whose first 30% the in-domain healing text reads
+UNSEEN_SLICES = ("fortunes", "debian_policy")  # texts no healing text reads (mha2mla.io.cache.UNSEEN_TEXTS)
+DOMAINS = (*IN_DOMAIN_SLICES, *UNSEEN_SLICES)
+DOMAIN_LABEL = {**dict.fromkeys(IN_DOMAIN_SLICES, "in-domain"), **dict.fromkeys(UNSEEN_SLICES, "unseen")}
+MC_TEXTS = UNSEEN_SLICES  # the continuation tasks fortunes_mc, debian_policy_mc
+MC_TASKS = tuple(f"{name}_mc" for name in MC_TEXTS)
 
 
 def prepare(work: Path) -> None:
@@ -47,6 +61,26 @@ def prepare(work: Path) -> None:
         ids = harness.held_out_ids(tokenizer, name, CURVE_TOKENS)
         (work / f"curve_{name}.txt").write_text(tokenizer.decode(ids), encoding="utf-8")
     print(f"training text and curve slices in {work}")
+
+
+def mix(work: Path, generated: Path, seed: int = 0) -> None:
+    """WORK/mix-seed<seed>.jsonl: the teacher-generated text cached in ``generated`` (a folder of
+    ``mha2mla.train.generated`` chunks, from a ``run --no-data`` with ``--teacher``) and the general healing text
+    taking turns, one document each (``mha2mla.train.healing_data.mixed_documents``)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from mha2mla.train.data import PackedSequences
+    from mha2mla.train.healing_data import general_data_path, generated_documents, mixed_documents, write_documents
+
+    chunks = [load_file(str(path)) for path in sorted(generated.glob("chunk-*.safetensors"))]
+    ids = torch.cat([chunk["input_ids"] for chunk in chunks])
+    tokenizer = AutoTokenizer.from_pretrained(str(harness.source_model()))
+    synthetic = generated_documents(PackedSequences(ids, ids, 0, 0), tokenizer)
+    real = [json.loads(line)["text"] for line in general_data_path(seed).read_text(encoding="utf-8").splitlines()]
+    target = write_documents(work / f"mix-seed{seed}.jsonl", mixed_documents(synthetic, real))
+    print(f"{target}: {len(synthetic)} generated documents ({len(ids)} rows) and {len(real)} real ones, taking turns")
 
 
 def run(work: Path, name: str, converted: str, extra: list[str], no_data: bool) -> None:
@@ -75,32 +109,122 @@ def run(work: Path, name: str, converted: str, extra: list[str], no_data: bool) 
     print(json.dumps(record))
 
 
-def score(work: Path, names: list[str], converted: list[str], json_out: str | None = None) -> None:
-    """Acceptance-slice perplexity of the source, of each converted starting point and of each run's output."""
-    source_file = work / "source_perplexity.json"
-    if not source_file.is_file():  # the dequantized GGUF, scored as benchmarks/quality.py scores it
-        source_file.write_text(json.dumps(harness.perplexities(harness.source_model(), SLICES, SLICE_TOKENS)))
-    source = json.loads(source_file.read_text())
+def continuation_accuracy(model, tokenizer, text: str, limit: int | None = None) -> dict:
+    """``acc`` and ``acc_norm`` on the four-way continuation items of ``text`` (the first ``limit``), the items of the
+    fortunes_mc / debian_policy_mc tasks (``continuation_items``), scored as lm-eval scores them: the log-likelihood
+    of " " + choice after the context (the context's tokens, then the rest of the whole text's), acc_norm per byte.
+    An item's four choices go through one forward, right-padded (a causal model's earlier positions ignore the pad)."""
+    import torch
+
+    from mha2mla.evaluation.continuation_items import continuation_items
+
+    right = right_norm = 0
+    items = continuation_items(text)[:limit]
+    for item in items:
+        start = len(tokenizer(item["context"], add_special_tokens=False)["input_ids"])
+        wholes = [tokenizer(item["context"] + " " + c, add_special_tokens=False)["input_ids"] for c in item["choices"]]
+        width = max(len(whole) for whole in wholes)
+        ids = torch.tensor([whole + [whole[-1]] * (width - len(whole)) for whole in wholes])  # (4, L)
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)  # (4, L-1, V)
+        picked = logprobs.gather(2, ids[:, 1:, None])[..., 0]  # (4, L-1): each next token's log-probability
+        totals = [picked[i, start - 1:len(whole) - 1].sum().item() for i, whole in enumerate(wholes)]
+        per_byte = [total / len((" " + c).encode("utf-8")) for total, c in zip(totals, item["choices"])]
+        right += max(range(4), key=totals.__getitem__) == item["answer"]
+        right_norm += max(range(4), key=per_byte.__getitem__) == item["answer"]
+    return {"acc": right / len(items), "acc_norm": right_norm / len(items), "items": len(items)}
+
+
+def model_scores(folder: Path | str, num_tokens: int, state: dict | None = None, items: int | None = None) -> dict:
+    """Perplexity on every slice (DOMAINS) and accuracy on the first ``items`` items (None: all, 0: no task) of both
+    continuation tasks of the model in ``folder`` (float32), ``state`` (a checkpoint's trainable weights) loaded
+    over it when given."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mha2mla.evaluation.perplexity import held_out_perplexity
+    from mha2mla.io.cache import cached_held_out_text
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if state is not None:
+        missing = set(state) - set(model.state_dict())
+        assert not missing, f"checkpoint weights the model lacks: {sorted(missing)[:3]}"
+        model.load_state_dict(state, strict=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    scores = {name: held_out_perplexity(model, tokenizer, cached_held_out_text(name), num_tokens=num_tokens)
+              for name in DOMAINS}
+    for name in MC_TEXTS if items != 0 else ():
+        text = cached_held_out_text(name).read_text(encoding="utf-8")
+        scores[f"{name}_mc"] = continuation_accuracy(model, tokenizer, text, items)
+    return scores
+
+
+def _ratios(scores: dict, source: dict) -> dict:
+    """Each slice's perplexity as a multiple of the source's, each task's accuracy minus the source's (points)."""
+    ratios = {name: round(scores[name] / source[name], 3) for name in DOMAINS}
+    ratios.update({f"{t}_points": round(100 * (scores[t]["acc"] - source[t]["acc"]), 1) for t in MC_TASKS if t in scores})
+    return ratios
+
+
+def _source_scores(work: Path, num_tokens: int, items: int | None = None) -> dict:
+    """The source's scores (the dequantized GGUF), computed once per slice length and item count into WORK."""
+    path = work / f"source_scores_{num_tokens}_{items}.json"
+    if not path.is_file():
+        path.write_text(json.dumps(model_scores(harness.source_model(), num_tokens, items=items)))
+    return json.loads(path.read_text())
+
+
+def _table(rows: list[dict], source: dict, first: str) -> str:
+    """The Markdown table: perplexity (× source) on the in-domain then the unseen slices, then MC accuracy."""
+    tasks = [t for t in MC_TASKS if all(t in row["scores"] for row in rows)]
+    head = [f"{DOMAIN_LABEL[n]}: {n} ppl (×)" for n in DOMAINS] + [f"unseen: {t} acc (points)" for t in tasks]
+    cells = [f"{source[n]:.2f}" for n in DOMAINS] + [f"{source[t]['acc']:.2f}" for t in tasks]
+    lines = [f"| {first} | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head), "| source | " + " | ".join(cells)
+             + " |"]
+    for row in rows:
+        s, r = row["scores"], row["x_source"]
+        cells = [f"{s[n]:.2f} (×{r[n]:.3f})" for n in DOMAINS]
+        cells += [f"{s[t]['acc']:.2f} ({r[t + '_points']:+.1f})" for t in tasks]
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def score(work: Path, names: list[str], converted: list[str], json_out: str | None = None,
+          num_tokens: int = SLICE_TOKENS, items: int | None = None) -> None:
+    """In-domain and unseen-domain scores of the source, of each converted starting point and of each run's output."""
+    source = _source_scores(work, num_tokens, items)
     rows = []
     for label, folder in [*((Path(c).name, Path(c)) for c in converted), *((n, work / n) for n in names)]:
-        row = {"model": label, "perplexity": harness.perplexities(folder, SLICES, SLICE_TOKENS)}
-        row["x_source"] = {k: round(v / source[k], 3) for k, v in row["perplexity"].items()}
+        row = {"label": label, "scores": model_scores(folder, num_tokens, items=items)}
+        row["x_source"] = _ratios(row["scores"], source)
         report = folder / "recovery_report.json"
         if report.is_file():
             data = json.loads(report.read_text())
             row.update(tokens=data["tokens_trained"], tokens_per_second=round(data["tokens_per_second"], 1),
                        curve=[(e["tokens"], round(e["perplexity"], 2)) for e in data["evaluations"]])
-            walls = (work / f"{label}.wall.json")
+            walls = work / f"{label}.wall.json"
             if walls.is_file():
                 row["wall_seconds"] = sum(json.loads(line)["wall_seconds"] for line in walls.read_text().splitlines())
         rows.append(row)
-    lines = [f"source: KJV {source['kjv']:.2f}, Python docs {source['python_docs']:.2f}", "",
-             "| model | tokens | wall s | KJV ppl (× source) | Python docs ppl (× source) |", "|---|---:|---:|---|---|"]
-    for row in rows:
-        cells = " | ".join(f"{row['perplexity'][s]:.2f} (×{row['x_source'][s]:.3f})" for s in SLICES)
-        lines.append(f"| {row['model']} | {row.get('tokens', 0):,} | {row.get('wall_seconds', '')} | {cells} |")
-    harness.report("recovery", {"work": str(work), "slice_tokens": SLICE_TOKENS}, rows, json_out, table="\n".join(lines),
-                   source_perplexity=source)
+    harness.report("recovery", {"work": str(work), "slice_tokens": num_tokens, "items": items}, rows, json_out,
+                   table=_table(rows, source, "model"), source_scores=source)
+
+
+def curve(work: Path, name: str, converted: str, json_out: str | None = None, num_tokens: int = CURVE_SCORE_TOKENS) -> None:
+    """The perplexities along run NAME: each checkpoint kept in WORK/NAME/checkpoints (``--keep-checkpoints N
+    --keep-checkpoints-after-run``) loaded over the converted model it started from."""
+    from safetensors.torch import load_file
+
+    source = _source_scores(work, num_tokens, 0)
+    rows = []
+    steps = sorted((work / name / "checkpoints").glob("step-*"))
+    for label, state in [("0", None), *((p.name.split("-")[1].lstrip("0"), p / "trainable.safetensors") for p in steps)]:
+        row = {"label": f"{name} step {label}",
+               "scores": model_scores(converted, num_tokens, load_file(str(state)) if state else None, items=0)}
+        row["x_source"] = _ratios(row["scores"], source)
+        rows.append(row)
+    harness.report("recovery-curve", {"run": name, "slice_tokens": num_tokens}, rows, json_out,
+                   table=_table(rows, source, "checkpoint"), source_scores=source)
 
 
 REGIONS = {"kjv": (0.1, 0.333, 0.6), "python_docs": (0.02, 0.08, 0.13, 0.2, 0.25, 0.333, 0.5, 0.75)}
@@ -140,11 +264,16 @@ def main() -> None:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["prepare", "run", "score", "regions"])
+    parser.add_argument("step", choices=["prepare", "run", "score", "curve", "mix", "regions"])
     parser.add_argument("names", nargs="*")
     parser.add_argument("--converted", action="append", default=[])
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: $MHA2MLA_CACHE/heal)")
-    parser.add_argument("--no-data", action="store_true", help="no --data: the teacher generates the training text")
+    parser.add_argument("--generated", type=Path, help="mix: a folder of cached teacher-generated chunks")
+    parser.add_argument("--no-data", action="store_true", help="no --data: the default healing text")
+    parser.add_argument("--slice-tokens", type=int, default=None, help="tokens scored per slice (score: "
+                        f"{SLICE_TOKENS}, curve: {CURVE_SCORE_TOKENS})")
+    parser.add_argument("--items", type=int, default=None, help="score: the first N items of each continuation "
+                        "task (default all 100; 0: none)")
     harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.work = args.work or harness.cache_path("heal")
@@ -154,10 +283,18 @@ def main() -> None:
         if len(args.names) != 1 or len(args.converted) != 1:
             parser.error("run takes one NAME and one --converted")
         run(args.work, args.names[0], args.converted[0], extra, args.no_data)
+    elif args.step == "mix":
+        if args.generated is None:
+            parser.error("mix takes --generated FOLDER")
+        mix(args.work, args.generated)
+    elif args.step == "curve":
+        if len(args.names) != 1 or len(args.converted) != 1:
+            parser.error("curve takes one NAME and one --converted")
+        curve(args.work, args.names[0], args.converted[0], args.json_out, args.slice_tokens or CURVE_SCORE_TOKENS)
     elif args.step == "regions":
         regions(args.work, args.names, args.converted, args.json_out)
     else:
-        score(args.work, args.names, args.converted, args.json_out)
+        score(args.work, args.names, args.converted, args.json_out, args.slice_tokens or SLICE_TOKENS, args.items)
 
 
 if __name__ == "__main__":
