@@ -35,7 +35,7 @@ from mha2mla.train.data import PackedSequences, evaluation_rows, pack_token_list
 log = logging.getLogger(__name__)
 
 SHUFFLE_BLOCK_TOKENS = 1 << 20  # tokens per shuffled block: the rows kept in memory (two int64 copies, ~16 MiB)
-TOKENIZE_DOCUMENTS = 64  # documents per tokenizer call (the fast tokenizers encode a batch in parallel)
+TOKENIZE_DOCUMENTS = 256  # documents per tokenizer call (a fast tokenizer encodes a batch on all cores)
 STATE_VERSION = 1
 
 
