@@ -17,10 +17,8 @@ debian_policy_mc (their items, scored as lm-eval scores them).
 output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text: the run's default healing
 text). Training text: ``mha2mla.io.assets.healing_text_path()`` (the first 30% of the KJV and of the Python docs,
 every ~4000-character document of those parts, interleaved by position; ``--data`` after ``--`` for another, e.g.
-the general one, ``mha2mla.train.healing_data.general_data_path()``), far from the held-out slices, which start a
-third into each file. The curve slice is the first 2,048 tokens of each in-domain slice (8 rows of 512); ``curve``
-scores every slice at each checkpoint a run kept (``--keep-checkpoints N --keep-checkpoints-after-run``).
-WORK is --work (default ``$MHA2MLA_CACHE/heal``). Training speed side by side: benchmarks/recover_speed.py.
+``mha2mla.train.healing_data.general_data_path()``), far from the held-out slices, a third into each file. The
+curve slice: the first 2,048 tokens of each in-domain slice (8 rows of 512). WORK is --work (default ``$MHA2MLA_CACHE/heal``). Training speed side by side: benchmarks/recover_speed.py.
 """
 
 from __future__ import annotations
