@@ -4,7 +4,7 @@ A healed model has to work on text its users bring, not only on the text it trai
 real text from several domains that the unseen-domain yardstick does not read (``mha2mla.io.assets.GENERAL_TEXTS``:
 fiction, a programming textbook, software manuals; never the fortunes, the Debian Policy Manual or a dictionary),
 compared with teacher-generated text, the in-domain text and a mix on that yardstick (docs/benchmarks.md, "Healing").
-``DEFAULT_SOURCE`` names the measured winner; a user who gives ``--data`` gets
+``DEFAULT_SOURCE`` names the winner (docs/benchmarks.md, "Healing"); a user who gives ``--data`` gets
 exactly that data and nothing from here.
 
 The documents are a pure function of the cached texts and the seed: each text is cut into documents at line ends
