@@ -1,14 +1,12 @@
-"""Conversion cost: the default conversion against its floor, phase by phase, in one process (issue 49).
+"""Conversion cost: the default conversion against its floor, phase by phase, in one process.
 
-    OMP_NUM_THREADS=2 python benchmarks/convert_cost.py --kv-budget 0.3125                # whole SmolLM2-135M
-    OMP_NUM_THREADS=2 python benchmarks/convert_cost.py --kv-budget 0.125 --quality      # + held-out perplexity
+    OMP_NUM_THREADS=2 python benchmarks/convert_cost.py --kv-budget 0.3125 --quality     # whole SmolLM2-135M
     OMP_NUM_THREADS=1 python benchmarks/convert_cost.py --shape llama3-8b --layers 1      # one layer, Llama-3-8B widths
     OMP_NUM_THREADS=1 python benchmarks/convert_cost.py --first-layers 4 --quality --windows 8   # a cut SmolLM2
 
 The source is the cached SmolLM2-135M-Instruct (``make assets``; ``--model`` for another) or, with ``--shape``, a
 random-weight source with the real layer widths built by benchmarks/scale.py (its vocabulary of ``--vocab`` tokens);
-``--first-layers N`` cuts the source after its first N decoder layers (embedding, final norm and LM head kept), a
-real model's per-layer work at a fraction of the time.
+``--first-layers N`` cuts the source after its first N decoder layers (embedding, final norm and LM head kept).
 
 The **floor** is one forward of the whole source (embedding, every decoder layer, final norm, LM head) over the
 very calibration tokens the conversion reads, in the conversion's compute dtype, threads and batch size (logits
@@ -17,17 +15,17 @@ product's options; ``--kv-budget``, ``--compute-dtype``, ``--calib-samples`` as 
 each phase timed exclusively (time spent in a phase called from another counts in the inner one only):
 
 - statistics: the calibration measure (moments, the source attention's probabilities);
-- solves: the closed-form latent steps (rope mixing, rope compensation, the low rank's eigen/least-squares work,
-  the layer's assembly);
+- solves: the closed-form latent steps (rope mixing and compensation, the low rank's eigen/least-squares work, assembly);
 - refinement: the Adam fits inside the latent steps (the attention-aware latent, the kv_a_layernorm stabiliser);
 - source heads: the source attention's head outputs on the source stream (read by the refit and the reconstruction);
 - refit, reconstruction: the two fit steps; advance: both streams pushed through the layer;
 - layer read: the source layer's weights read for the stream; writing: tensors, metadata, card; other: the rest.
 
-Peak memory of the conversion alone: VmHWM, reset after the floor (``/proc/self/clear_refs``). ``--quality`` adds
-the held-out perplexity of the converted model (the acceptance slices, mha2mla.evaluation.perplexity; for a
-``--first-layers`` cut it is no quality figure, only a check that two runs agree). Prints the floor as a JSON line
-as soon as it is measured, then the whole JSON object and a Markdown table; the figure is conversion / floor.
+Wall and CPU seconds (the process's, every thread's): on a machine other jobs share, the CPU ratio barely moves with
+their load. Peak memory of the conversion alone: VmHWM, reset after the floor (``/proc/self/clear_refs``).
+``--quality`` adds the held-out perplexity of the converted model (mha2mla.evaluation.perplexity; for a
+``--first-layers`` cut no quality figure, only a check that two runs agree). Prints the floor as a JSON line as soon
+as it is measured, then the whole JSON object and a Markdown table; the figure is conversion / floor.
 """
 
 from __future__ import annotations
@@ -44,27 +42,36 @@ from pathlib import Path
 GIB = 1024**3
 
 
+def clocks() -> tuple[float, float]:
+    """(wall, CPU) seconds now: the process's CPU time, every thread's, barely moves with other jobs' load."""
+    return time.perf_counter(), time.process_time()
+
+
 class PhaseClock:
-    """Exclusive seconds per phase: a phase entered inside another stops the outer one's clock."""
+    """Exclusive wall and CPU seconds per phase: a phase entered inside another stops the outer one's clocks."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
-        self.stack: list[list] = []  # [name, started]
+        self.cpu_seconds: dict[str, float] = defaultdict(float)
+        self.stack: list[list] = []  # [name, wall started, CPU started]
+
+    def _add(self, entry: list, now: tuple[float, float]) -> None:
+        self.seconds[entry[0]] += now[0] - entry[1]
+        self.cpu_seconds[entry[0]] += now[1] - entry[2]
 
     def wrap(self, name: str, function):
         def timed(*args, **kwargs):
-            now = time.perf_counter()
+            now = clocks()
             if self.stack:
-                outer = self.stack[-1]
-                self.seconds[outer[0]] += now - outer[1]
-            self.stack.append([name, now])
+                self._add(self.stack[-1], now)
+            self.stack.append([name, *now])
             try:
                 return function(*args, **kwargs)
             finally:
-                done = time.perf_counter()
-                self.seconds[name] += done - self.stack.pop()[1]
+                done = clocks()
+                self._add(self.stack.pop(), done)
                 if self.stack:
-                    self.stack[-1][1] = done
+                    self.stack[-1][1:] = done
         return timed
 
 
@@ -130,18 +137,18 @@ def floor_seconds(source: Path, options) -> tuple[float, dict]:
     dtype = torch_dtype(plan.compute_dtype)
     model = AutoModelForCausalLM.from_pretrained(str(ckpt.folder), dtype=dtype, attn_implementation="sdpa").eval()
     batch = calibration_batch(plan)
-    started = time.perf_counter()
+    started = clocks()
     with torch.no_grad():
         for start in range(0, tokens.shape[0], batch):
             model(input_ids=tokens[start : start + batch]).logits.float().sum()  # (b, L, vocab), dropped
-    seconds = time.perf_counter() - started
+    done = clocks()
     del model
-    return seconds, {"compute_dtype": plan.compute_dtype, "tokens": list(tokens.shape), "batch": batch}
+    return done[0] - started[0], {"compute_dtype": plan.compute_dtype, "tokens": list(tokens.shape), "batch": batch,
+                                  "cpu_seconds": round(done[1] - started[1], 2)}
 
 
 def _calibration_tokens(plan, folder: Path):
-    """The (N, L) token ids the conversion's calibration stream reads (convert/calibration/stream.py: the same text,
-    tokenizer and windows)."""
+    """The (N, L) token ids the conversion's calibration stream reads (calibration/stream.py: text, tokenizer, windows)."""
     from transformers import AutoTokenizer
 
     from mha2mla.convert.calibration.data import calibration_documents, calibration_token_ids
@@ -158,15 +165,18 @@ def conversion(source: Path, options, work: str | None, quality: bool, windows: 
     clock = PhaseClock()
     reset_peak_rss()
     with tempfile.TemporaryDirectory(dir=work) as tmp, patched(clock):
-        started = time.perf_counter()
+        started = clocks()
         result = convert(source, Path(tmp) / "out", options, progress=True, command="benchmarks/convert_cost.py")
-        wall = time.perf_counter() - started
+        wall, cpu = (end - start for end, start in zip(clocks(), started))
         peak = peak_rss()
         perplexity = _perplexity(Path(tmp) / "out", windows) if quality else None
     phases = {name: round(seconds, 2) for name, seconds in clock.seconds.items()}
     phases["other"] = round(wall - sum(clock.seconds.values()), 2)
+    cpu_phases = {name: round(seconds, 2) for name, seconds in clock.cpu_seconds.items()}
+    cpu_phases["other"] = round(cpu - sum(clock.cpu_seconds.values()), 2)
     layers = result.report["layers"]
-    return {"seconds": round(wall, 2), "phases": phases, "peak_rss_gib": round(peak / GIB, 3),
+    return {"seconds": round(wall, 2), "phases": phases, "cpu_seconds": round(cpu, 2), "cpu_phases": cpu_phases,
+            "peak_rss_gib": round(peak / GIB, 3),
             "reconstruction_steps": sum(layer.get("reconstruction_steps", 0) for layer in layers),
             # per layer: the held-out error at each of the reconstruction's measurements (every EVAL_EVERY steps)
             "reconstruction_curves": [layer["reconstruction_curve"] for layer in layers if "reconstruction_curve" in layer],
@@ -214,15 +224,18 @@ def first_layers(source: Path, layers: int, folder: Path) -> Path:
 
 
 def markdown(row: dict) -> str:
-    floor, convert = row["floor_seconds"], row["conversion"]
+    floor, floor_cpu, convert = row["floor_seconds"], row["floor"]["cpu_seconds"], row["conversion"]
     cut = f", first {row['first_layers']} layers" if row.get("first_layers") else ""
     lines = [f"{row['shape']}{cut}, KV budget {row['kv_budget']}, {convert['plan']['compute_dtype']}, "
              f"{row['threads']} thread(s), load average {row['load_average'][0]:.1f} before\n",
-             "| measured | seconds | share of the conversion | × floor |", "|---|---:|---:|---:|",
-             f"| floor: one forward of the source over the calibration tokens | {floor:.1f} | — | 1.00 |"]
+             "| measured | seconds | × floor | CPU seconds | × floor (CPU) |", "|---|---:|---:|---:|---:|",
+             f"| floor: one forward of the source over the calibration tokens | {floor:.1f} | 1.00 | "
+             f"{floor_cpu:.1f} | 1.00 |"]
     for name, seconds in sorted(convert["phases"].items(), key=lambda item: -item[1]):
-        lines.append(f"| {name} | {seconds:.1f} | {seconds / convert['seconds']:.0%} | {seconds / floor:.2f} |")
-    lines.append(f"| **conversion** | **{convert['seconds']:.1f}** | 100% | **{convert['seconds'] / floor:.2f}** |")
+        cpu = convert["cpu_phases"].get(name, 0.0)
+        lines.append(f"| {name} | {seconds:.1f} | {seconds / floor:.2f} | {cpu:.1f} | {cpu / floor_cpu:.2f} |")
+    lines.append(f"| **conversion** | **{convert['seconds']:.1f}** | **{convert['seconds'] / floor:.2f}** | "
+                 f"**{convert['cpu_seconds']:.1f}** | **{convert['cpu_seconds'] / floor_cpu:.2f}** |")
     lines.append(f"\npeak RSS of the conversion {convert['peak_rss_gib']:.2f} GiB; perplexity {convert['perplexity']}")
     return "\n".join(lines)
 
@@ -269,12 +282,12 @@ def main(argv=None) -> int:
                              calib_samples=args.calib_samples, calib_device=args.calib_device)
     floor, floor_info = floor_seconds(source, options)
     row = {"source": str(source), "shape": args.shape or "SmolLM2-135M", "first_layers": args.first_layers,
-           "kv_budget": options.budget,
-           "threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-           "load_average": os.getloadavg(), "floor_seconds": round(floor, 2), "floor": floor_info}
+           "kv_budget": options.budget, "threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get(
+               "OMP_NUM_THREADS"), "load_average": os.getloadavg(), "floor_seconds": round(floor, 2), "floor": floor_info}
     print(json.dumps(row), flush=True)  # the floor first: a conversion stopped later still leaves it
     row["conversion"] = conversion(source, options, args.work, args.quality, args.windows)
     row["conversion_over_floor"] = round(row["conversion"]["seconds"] / floor, 2)
+    row["conversion_over_floor_cpu"] = round(row["conversion"]["cpu_seconds"] / floor_info["cpu_seconds"], 2)
     row["load_average_after"] = os.getloadavg()
     print(json.dumps(row), flush=True)
     if args.json:
