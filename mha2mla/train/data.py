@@ -116,14 +116,6 @@ def build_packed(tokenizer, sources: list[str], seq_len: int, text_field: str | 
     return packed
 
 
-def _warn_if_unread(packed: PackedSequences, sources: list[str]) -> None:
-    """Say when the token budget was filled before the training text ended (docs/recover.md, "Data")."""
-    if packed.unread:
-        log.warning("training data: the run's %d rows are filled by the first %d documents; the rest of %s is not read "
-                    "(documents are taken in order: shuffle a corpus sorted by source or topic)", len(packed),
-                    packed.num_documents, ", ".join(sources))
-
-
 def target_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, L-1) bool: which next-token targets ``input_ids[:, 1:]`` are trained on (not a segment start)."""
     return position_ids[:, 1:] != 0
@@ -190,25 +182,3 @@ def evaluation_rows(config, tokenizer) -> PackedSequences:
     return build_packed(
         tokenizer, config.eval_data, config.seq_len, config.text_field, config.eval_sequences or None, "evaluation data"
     )
-
-
-def prepare_data(config, tokenizer, rows_needed: int) -> tuple[MemoryRows, PackedSequences | None]:
-    """The training rows and the held-out rows (``eval_data``, or the first rows of the training data; None when
-    ``eval_sequences`` is 0). A run without ``data`` takes teacher-generated text instead (generated.py)."""
-    held_out_here = 0 if config.eval_data else config.eval_sequences
-    packed = build_packed(
-        tokenizer, config.data, config.seq_len, config.text_field, rows_needed + held_out_here, "training data"
-    )
-    _warn_if_unread(packed, config.data)
-    if config.eval_data:
-        return MemoryRows(packed, config.seed), evaluation_rows(config, tokenizer)
-    if config.eval_sequences == 0:
-        return MemoryRows(packed, config.seed), None
-    if len(packed) <= config.eval_sequences:
-        raise UserError(
-            f"the training data fills only {len(packed)} sequences of {config.seq_len} tokens, not enough to hold out "
-            f"{config.eval_sequences} for evaluation and train on the rest; give more text, --eval-data, or a smaller "
-            "--eval-sequences."
-        )
-    held_out, train = packed.split(config.eval_sequences)
-    return MemoryRows(train, config.seed), held_out

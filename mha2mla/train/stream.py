@@ -222,6 +222,9 @@ def held_out_rows(unit_names: list[str], tokenizer, seq_len: int, count: int, te
                 yield tokenized(tokenizer, [located])[0][1]
 
     packed = pack_token_lists(documents(), seq_len, count)
+    if len(packed) == 0:
+        raise UserError(f"the training data ({', '.join(unit_names)}) has {packed.dropped_tokens} tokens, fewer than one "
+                        f"packed sequence of {seq_len}; give more text or a smaller --seq-len.")
     if len(packed) < count or not packed.unread:  # pack_token_lists looked at one document past the rows
         raise UserError(
             f"the training data fills only {len(packed)} sequences of {seq_len} tokens, not enough to hold out "

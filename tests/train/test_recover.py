@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from mha2mla.recipes import build_settings
 from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, losses, recover
-from mha2mla.train.data import RowOrder, pack_token_lists, prepare_data, target_mask
+from mha2mla.train.data import RowOrder, pack_token_lists, target_mask
 from mha2mla.train.merge import write_recovered
 from mha2mla.train.model import load_student, load_tokenizer, make_trainable
 from mha2mla.train.run import RecoveryRun
@@ -78,34 +78,6 @@ def test_packing_stops_reading_once_the_rows_are_filled_and_says_so():
     assert train.unread
     whole = pack_token_lists(documents(), seq_len=2, max_rows=5)
     assert len(whole) == 5 and not whole.unread
-
-
-class _CharTokenizer:
-    eos_token_id = 0
-
-    def __call__(self, text, add_special_tokens=False, verbose=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-
-@pytest.mark.parametrize("eval_data", [False, True])
-def test_a_run_whose_budget_ends_before_its_text_warns_and_a_whole_text_does_not(tmp_path, caplog, eval_data):
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"text": "x" * 15}) + "\n" for _ in range(10)))  # 16 tokens each with EOS
-    (tmp_path / "eval.txt").write_text("y" * 100)
-    settings = {"data": [str(data)], "seq_len": 16, "text_field": "text", "eval_sequences": 2,
-                "eval_data": [str(tmp_path / "eval.txt")] if eval_data else []}
-    config = RecoverConfig.model_construct(**settings)
-    with caplog.at_level("WARNING", logger="mha2mla.train.data"):
-        train, _ = prepare_data(config, _CharTokenizer(), rows_needed=3)
-    assert len(train) == 3
-    assert [r.getMessage() for r in caplog.records] == [
-        f"training data: the run's {3 if eval_data else 5} rows are filled by the first {3 if eval_data else 5} "
-        f"documents; the rest of {data} is not read (documents are taken in order: shuffle a corpus sorted by source "
-        "or topic)"]
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="mha2mla.train.data"):
-        prepare_data(config, _CharTokenizer(), rows_needed=10 if eval_data else 8)  # the rows take all 10 documents
-    assert not caplog.records
 
 
 def test_row_order_is_a_seeded_permutation_per_epoch():

@@ -180,6 +180,8 @@ def test_bad_input_is_one_sentence(tmp_path):
         prepare_stream(_config([str(short)]), CharTokenizer(), 10)
     with pytest.raises(UserError, match=r"has 15 tokens to train on, fewer than one packed sequence of 64"):
         prepare_stream(_config([str(short)], eval_sequences=0, seq_len=64), CharTokenizer(), 10)
+    with pytest.raises(UserError, match=r"short\.jsonl\) has 15 tokens, fewer than one packed sequence of 64"):
+        prepare_stream(_config([str(short)], seq_len=64), CharTokenizer(), 10)
     broken = tmp_path / "broken.jsonl"
     _jsonl(broken, 0, 30)
     broken.write_text(broken.read_text() + '{"text": "cut\n')
@@ -201,9 +203,3 @@ def test_memory_rows_follow_the_seeded_order_and_keep_their_state():
     with pytest.raises(UserError, match="not for these training rows"):
         MemoryRows(packed, seed=4).load_state_dict(rows.state_dict())
 
-
-def test_row_order_is_a_seeded_permutation_per_epoch():
-    order = RowOrder(5, seed=3)
-    first, second = order.rows(0, 5), order.rows(5, 5)
-    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(5))
-    assert torch.equal(RowOrder(5, seed=3).rows(3, 4), torch.cat([first[3:], second[:2]]))
