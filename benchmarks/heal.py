@@ -159,9 +159,8 @@ def model_scores(folder: Path | str, num_tokens: int, state: dict | None = None,
 
 def _ratios(scores: dict, source: dict) -> dict:
     """Each slice's perplexity as a multiple of the source's, each task's accuracy minus the source's (points)."""
-    ratios = {name: round(scores[name] / source[name], 3) for name in DOMAINS}
-    ratios.update({f"{t}_points": round(100 * (scores[t]["acc"] - source[t]["acc"]), 1) for t in MC_TASKS if t in scores})
-    return ratios
+    return {**{name: round(scores[name] / source[name], 3) for name in DOMAINS},
+            **{f"{t}_points": round(100 * (scores[t]["acc"] - source[t]["acc"]), 1) for t in MC_TASKS if t in scores}}
 
 
 def _source_scores(work: Path, num_tokens: int, items: int | None = None) -> dict:
@@ -208,14 +207,15 @@ def score(work: Path, names: list[str], converted: list[str], json_out: str | No
                    table=_table(rows, source, "model"), source_scores=source)
 
 
-def curve(work: Path, name: str, converted: str, json_out: str | None = None, num_tokens: int = CURVE_SCORE_TOKENS) -> None:
+def curve(work: Path, name: str, converted: str, json_out: str | None = None, num_tokens: int = CURVE_SCORE_TOKENS,
+          every: int = 1) -> None:
     """The perplexities along run NAME: each checkpoint kept in WORK/NAME/checkpoints (``--keep-checkpoints N
     --keep-checkpoints-after-run``) loaded over the converted model it started from."""
     from safetensors.torch import load_file
 
     source = _source_scores(work, num_tokens, 0)
     rows = []
-    steps = sorted((work / name / "checkpoints").glob("step-*"))
+    steps = [p for p in sorted((work / name / "checkpoints").glob("step-*")) if int(p.name[5:]) % every == 0]
     for label, state in [("0", None), *((p.name.split("-")[1].lstrip("0"), p / "trainable.safetensors") for p in steps)]:
         row = {"label": f"{name} step {label}",
                "scores": model_scores(converted, num_tokens, load_file(str(state)) if state else None, items=0)}
@@ -270,6 +270,7 @@ def main() -> None:
     parser.add_argument("--no-data", action="store_true", help="no --data: the default healing text")
     parser.add_argument("--slice-tokens", type=int, default=None, help="tokens scored per slice (score: "
                         f"{SLICE_TOKENS}, curve: {CURVE_SCORE_TOKENS})")
+    parser.add_argument("--every", type=int, default=1, help="curve: the checkpoints of every N-th step only")
     parser.add_argument("--items", type=int, default=None, help="score: the first N items of each continuation "
                         "task (default all 100; 0: none)")
     harness.add_output_arguments(parser)
@@ -277,18 +278,16 @@ def main() -> None:
     args.work = args.work or harness.cache_path("heal")
     if args.step == "prepare":
         prepare(args.work)
+    elif args.step in ("run", "curve") and (len(args.names) != 1 or len(args.converted) != 1):
+        parser.error(f"{args.step} takes one NAME and one --converted")
     elif args.step == "run":
-        if len(args.names) != 1 or len(args.converted) != 1:
-            parser.error("run takes one NAME and one --converted")
         run(args.work, args.names[0], args.converted[0], extra, args.no_data)
     elif args.step == "mix":
         if args.generated is None:
             parser.error("mix takes --generated FOLDER")
         mix(args.work, args.generated)
     elif args.step == "curve":
-        if len(args.names) != 1 or len(args.converted) != 1:
-            parser.error("curve takes one NAME and one --converted")
-        curve(args.work, args.names[0], args.converted[0], args.json_out, args.slice_tokens or CURVE_SCORE_TOKENS)
+        curve(args.work, args.names[0], args.converted[0], args.json_out, args.slice_tokens or CURVE_SCORE_TOKENS, args.every)
     elif args.step == "regions":
         regions(args.work, args.names, args.converted, args.json_out)
     else:
