@@ -35,7 +35,8 @@ from mha2mla.train.data import PackedSequences, evaluation_rows, pack_token_list
 log = logging.getLogger(__name__)
 
 SHUFFLE_BLOCK_TOKENS = 1 << 20  # tokens per shuffled block: the rows kept in memory (two int64 copies, ~16 MiB)
-TOKENIZE_DOCUMENTS = 256  # documents per tokenizer call (a fast tokenizer encodes a batch on all cores)
+TOKENIZE_DOCUMENTS = 256  # documents per tokenizer call (a fast tokenizer encodes a batch on all cores) ...
+TOKENIZE_CHARACTERS = 1 << 22  # ... or fewer, once they hold this many characters (large text files)
 STATE_VERSION = 1
 
 
@@ -184,13 +185,15 @@ class StreamRows:
             locator = cursor.locator if position == cursor.unit and cursor.locator is not None else (
                 self.start[1] if unit == self.start[0] else None)
             batch: list[tuple[object, str]] = []
+            characters = 0
             for located in iter_located(self.unit_names[unit], self.text_field, locator):
                 batch.append(located)
-                if len(batch) == TOKENIZE_DOCUMENTS:
+                characters += len(located[1])
+                if len(batch) == TOKENIZE_DOCUMENTS or characters >= TOKENIZE_CHARACTERS:
                     for where, ids in tokenized(self.tokenizer, batch):
                         yield position, where, ids[skip:] if skip else ids, skip
                         skip = 0
-                    batch = []
+                    batch, characters = [], 0
             for where, ids in tokenized(self.tokenizer, batch):
                 yield position, where, ids[skip:] if skip else ids, skip
                 skip = 0

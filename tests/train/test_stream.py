@@ -41,6 +41,7 @@ def _jsonl(path, first, count):
 def small_blocks(monkeypatch):
     monkeypatch.setattr(stream_module, "SHUFFLE_BLOCK_TOKENS", 5 * SEQ_LEN)  # blocks of 5 rows
     monkeypatch.setattr(stream_module, "TOKENIZE_DOCUMENTS", 3)
+    monkeypatch.setattr(stream_module, "TOKENIZE_CHARACTERS", 40)  # or fewer documents, once they hold 40 characters
 
 
 def _corpus(tmp_path, kind: str) -> list[str]:
