@@ -10,6 +10,9 @@ document start (and at the start of every row, where a long document continues),
   (a new segment wherever ``position_ids[t] != position_ids[t-1] + 1``).
 
 The first token of every segment is never a prediction target (it would be predicted from another document).
+
+``--data`` is streamed with these rules (stream.py); here are the packing itself, the held-out rows of
+``--eval-data`` (``evaluation_rows``) and the training rows kept in memory (``MemoryRows``: teacher-generated text).
 """
 
 from __future__ import annotations
