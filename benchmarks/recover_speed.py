@@ -25,14 +25,17 @@ import sys
 
 import harness
 
-COMPUTE_ORDER = ("float32", "auto", "bfloat16")  # no-autocast runs start accelerate first (distributed.start_accelerator)
+COMPUTE_ORDER = ("float32", "auto", "bfloat16")  # no-autocast runs start accelerate first (devices.start_devices)
 
 
 def build_entries(args, source: str, config) -> dict[tuple[str, str], dict]:
     """One prepared ``RecoveryRun`` per (model, compute dtype), keyed by the model's label and the resolved dtype."""
     from mha2mla.train import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS
-    from mha2mla.train.model import load_student, load_teacher, make_trainable
+    from mha2mla.train.devices import start_devices
+    from mha2mla.train.model import load_student
     from mha2mla.train.run import RecoveryRun
+    from mha2mla.train.teacher import load_teacher
+    from mha2mla.train.trainable import make_trainable
 
     loaders = {
         "converted": ("converted (MLA)", lambda: load_student(args.converted, args.attn_implementation), MLA_LORA_TARGETS),
@@ -42,7 +45,8 @@ def build_entries(args, source: str, config) -> dict[tuple[str, str], dict]:
     for compute in sorted(set(args.compute_dtypes), key=COMPUTE_ORDER.index):
         for model in args.models:
             label, loader, targets = loaders[model]
-            recipe = RecoveryRun(config.model_copy(update={"compute_dtype": compute}), show_progress=False)
+            settings = config.model_copy(update={"compute_dtype": compute})
+            recipe = RecoveryRun(settings, start_devices(settings), settings.total_steps())
             recipe.setup_training(make_trainable(loader(), config.lora.model_copy(update={"targets": targets})))
             recipe.model.train()
             trainable, total = recipe.parameter_counts
@@ -94,7 +98,7 @@ def training_rows(args):
     from mha2mla.io.cache import cached_held_out_text
     from mha2mla.train import LoraSettings, RecoverConfig
     from mha2mla.train.data import pack_token_lists
-    from mha2mla.train.model import load_tokenizer
+    from mha2mla.train.teacher import load_tokenizer
 
     tokenizer = load_tokenizer(args.converted)
     text_path = cached_held_out_text("kjv")

@@ -1,8 +1,11 @@
 """Recovery fine-tuning of converted MLA models: ``recover(RecoverConfig(...))``.
 
-config (settings, LoRA settings), data (tokenizing + packing), model (student/teacher, LoRA), losses,
-checkpoint (resumable state), recipe (``RecoveryRun``: setup, train step, evaluation, checkpoints),
-trainer (``recover``, which runs the recipe), export (merge and write the native checkpoint).
+trainer (``recover``: the run read top to bottom), config (settings, LoRA settings), devices (device, compute dtype,
+accelerate, decided once), preflight (every check before anything loads: model folder, OUT, resume point in resume,
+memory estimate in memory), teacher (tokenizer and teacher), data / stream / generated (the training and held-out
+rows), model (the student and its attention kernel), trainable (what trains, parameter counts), run
+(``RecoveryRun``: optimizer and schedule, the train step with losses / head_losses, the loop with evaluate, log and
+checkpoint, export through merge), distributed (what a checkpoint needs from every process).
 
 ``recover`` and ``RecoveryRun`` load on first use, so reading the settings (``mha2mla recover --help``)
 does not import torch, accelerate and peft."""

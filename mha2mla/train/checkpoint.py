@@ -1,5 +1,5 @@
 """Resumable checkpoints: ``OUT/checkpoints/step-NNNNNN/`` holds the trainable weights (and the peft adapter),
-optimizer, scheduler, every RNG state and the data position. They are the run's, not the model's: once the model is
+optimizer, scheduler, every process's RNG state (distributed.py gathers them) and the data position. They are the run's, not the model's: once the model is
 written they are removed (:func:`remove_checkpoints`) unless asked to stay. A run folder of the earlier layout
 (``OUT/step-NNNNNN/``) still resumes: both places are listed.
 
@@ -15,19 +15,18 @@ import io
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import RECOVER_CONFIG
 from mha2mla.io.output import remove_stale, staging_path, write_errors
 
 log = logging.getLogger(__name__)
@@ -96,32 +95,6 @@ def newest_complete(out: Path, rank: int = 0, last_step: int | None = None) -> t
         raise UserError(f"every checkpoint in {out} is damaged ({damaged[0]}); remove them (the step-* folders) to "
                         "start the run again from step 0.")
     return None
-
-
-def rng_state() -> dict:
-    """Every RNG's state as tensors and plain numbers, so checkpoints load with ``weights_only=True``
-    (nothing is ever unpickled)."""
-    version, python_state, gauss = random.getstate()
-    kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
-    state = {
-        "python": {"version": version, "state": torch.tensor(python_state, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"kind": kind, "keys": torch.from_numpy(numpy_keys.astype(np.int64)), "pos": int(numpy_pos),
-                  "has_gauss": int(numpy_has_gauss), "gauss": float(numpy_gauss)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    python = state["python"]
-    random.setstate((python["version"], tuple(int(v) for v in python["state"].tolist()), python["gauss"]))
-    numpy = state["numpy"]
-    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"], numpy["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _file_bytes(obj) -> bytes:
@@ -264,10 +237,13 @@ def load_checkpoint(folder: Path, rank: int = 0, last_step: int | None = None) -
     }
 
 
-def check_trainable_shapes(folder: Path, saved: dict[str, torch.Tensor], model) -> None:
-    """The checkpoint's trainable tensors have the names and shapes of ``model``'s trainable parameters."""
-    params = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
-    for name, tensor in saved.items():
-        if name in params and tuple(tensor.shape) != params[name]:
-            raise UserError(f"checkpoint {folder}: {TRAINABLE_FILE} holds {name} of shape {tuple(tensor.shape)}, but "
-                            f"this run trains it as {params[name]}; resume with the model and settings of that run.")
+def interrupted_sentence(out: Path) -> str:
+    """What an interrupted run leaves in ``out`` and how to go on, as one sentence."""
+    checkpoints = list_checkpoints(out)
+    if checkpoints:
+        return (f"interrupted; the checkpoints in {checkpoints[-1].parent} are kept: run the same command with "
+                "--resume auto to continue from the newest.")
+    if out.is_dir() and (out / RECOVER_CONFIG).is_file() and not (out / "config.json").is_file():
+        return (f"interrupted before the first checkpoint; {out} holds only the run's settings and log: run the same "
+                "command with --resume auto to start it again, or remove it.")
+    return "interrupted; the run had not written to --out yet: run the command again."

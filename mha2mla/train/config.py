@@ -171,15 +171,3 @@ class RecoverConfig(BaseModel):
     def out_path(self) -> Path:
         return Path(self.out)
 
-
-def flat_settings(settings: dict, prefix: str = "") -> dict:
-    """Nested settings as one level, the nested names joined by ``_`` (``lora.rank`` -> ``lora_rank``, the name of
-    its flag), so two runs' settings compare key by key."""
-    flat = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            flat.update(flat_settings(value, f"{prefix}{key}_"))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-

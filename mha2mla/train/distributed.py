@@ -1,5 +1,5 @@
-"""How a recovery run is spread over processes (docs/recover.md, "Devices"): one device, DDP, or FSDP2, all through
-accelerate, and the full state a checkpoint holds whichever of them trained it.
+"""The full state a recovery checkpoint holds, whichever spread of processes trained it (docs/recover.md, "Devices"):
+one device, DDP, or FSDP2, all through accelerate.
 
 FSDP is FSDP2 (torch's ``fully_shard``, accelerate's ``fsdp_version: 2``): every parameter is a DTensor sharded across
 the processes, so a checkpoint cannot read tensors off the main process as under DDP. ``gathered_trainable`` and
@@ -8,18 +8,18 @@ the processes, so a checkpoint cannot read tensors off the main process as under
 in the layout one process or DDP saves: tensors by parameter name, the optimizer state by parameter index. So the
 checkpoint folder is the same whoever wrote it, and ``load_optimizer_state`` shards it back.
 
-On CPU processes (``torchrun`` with ``ACCELERATE_USE_CPU=1``) accelerate never selects FSDP: ``AcceleratorState``
-switches to FSDP only from an accelerator device's multi-process type, not from ``MULTI_CPU``. torch's ``fully_shard``
-does run on CPU with the gloo backend (torch 2.13; tests/train/test_recover_fsdp.py), so when FSDP is asked for there
-(``ACCELERATE_USE_FSDP=true``, as ``accelerate launch`` sets from an FSDP config) ``use_fsdp_on_cpu`` sets the
-state to FSDP with the plugin read from the same ``FSDP_*`` variables; everything after that (``prepare``, clipping,
-``no_sync``) is accelerate's own FSDP2 code. This is how the FSDP path is tested on a machine without GPUs."""
+Accelerate is started, and the compute dtype decided, once per run in devices.py; this module is what a checkpoint
+needs from every process: the trainable tensors, the optimizer state and every process's RNG state, saved and
+restored."""
 
 from __future__ import annotations
 
-from accelerate import Accelerator, DistributedType, PartialState
-from accelerate.state import AcceleratorState
-from accelerate.utils import FullyShardedDataParallelPlugin, parse_flag_from_env
+import random
+
+import numpy as np
+import torch
+from accelerate import Accelerator, DistributedType
+from accelerate.utils import gather_object
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -27,53 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from mha2mla import UserError
-from mha2mla.train.model import trainable_state
-
-SUPPORTED_DISTRIBUTION = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.FSDP)
 # Full tensors of the trainable parameters only, offloaded to CPU on the main process (the others receive nothing).
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-
-
-def run_device():
-    """The device accelerate will place this process on (read before it starts: the compute dtype depends on it,
-    and accelerate takes its autocast setting only when it starts)."""
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device
-
-
-def start_accelerator(mixed_precision: str) -> Accelerator:
-    """accelerate for one device, DDP or FSDP2, with ``mixed_precision`` (bf16 or no); anything else is refused in
-    one sentence."""
-    held = AcceleratorState._shared_state.get("_mixed_precision", mixed_precision)
-    if held != mixed_precision and PartialState().num_processes == 1:
-        # accelerate holds one autocast setting per process and refuses another; a lone process may run float32 and
-        # bf16 recoveries one after the other (the Python API, benchmarks/recover_speed.py), so it starts afresh.
-        # An accelerator made before without autocast keeps none (its native_amp is off), so float32 and bf16 runs
-        # can even alternate when the float32 ones start first (recover_speed.py orders them so).
-        AcceleratorState._reset_state()
-    accelerator = Accelerator(mixed_precision=mixed_precision)
-    if accelerator.distributed_type == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_FSDP"):
-        use_fsdp_on_cpu(accelerator)
-    if accelerator.distributed_type not in SUPPORTED_DISTRIBUTION:
-        raise UserError(
-            f"recover supports one device, DDP or FSDP (accelerate multi-GPU/CPU or FSDP), not "
-            f"{accelerator.distributed_type.value}; use recipes/accelerate/multi_gpu.yaml or recipes/accelerate/fsdp.yaml."
-        )
-    if is_sharded(accelerator) and not accelerator.is_fsdp2:
-        raise UserError(
-            "recover runs FSDP version 2 only (torch's fully_shard); set fsdp_version: 2 in the accelerate config, "
-            "as recipes/accelerate/fsdp.yaml does."
-        )
-    return accelerator
-
-
-def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
-    """Turn accelerate's MULTI_CPU state into FSDP (the module docstring says why), with the plugin accelerate
-    itself builds from the ``FSDP_*`` environment variables. The choice is written into ``PartialState`` too, as
-    ``AcceleratorState.__init__`` does with its own: every later ``AcceleratorState()`` copies it from there."""
-    state = accelerator.state
-    state.fsdp_plugin = FullyShardedDataParallelPlugin()
-    state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
 
 
 def is_sharded(accelerator: Accelerator) -> bool:
@@ -85,7 +40,8 @@ def gathered_trainable(model, accelerator: Accelerator) -> dict:
     """Every trainable parameter by name, as full CPU tensors (under FSDP every process must call this; only the
     main process receives the tensors)."""
     if not is_sharded(accelerator):
-        return trainable_state(accelerator.unwrap_model(model))
+        return {name: param.detach().cpu().clone() for name, param in accelerator.unwrap_model(model).named_parameters()
+                if param.requires_grad}
     return get_model_state_dict(model, options=GATHER)
 
 
@@ -116,3 +72,45 @@ def load_optimizer_state(model, optimizer, saved: dict, names: list[str], accele
         "param_groups": [{**group, "params": [names[position] for position in group["params"]]} for group in saved["param_groups"]],
     }
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def rng_state() -> dict:
+    """Every RNG's state as tensors and plain numbers, so checkpoints load with ``weights_only=True``
+    (nothing is ever unpickled)."""
+    version, python_state, gauss = random.getstate()
+    kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    state = {
+        "python": {"version": version, "state": torch.tensor(python_state, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(numpy_keys.astype(np.int64)), "pos": int(numpy_pos),
+                  "has_gauss": int(numpy_has_gauss), "gauss": float(numpy_gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    python = state["python"]
+    random.setstate((python["version"], tuple(int(v) for v in python["state"].tolist()), python["gauss"]))
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"], numpy["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gathered_state(model, optimizer, names: list[str], accelerator: Accelerator) -> tuple[dict, dict, list[dict]]:
+    """What a checkpoint saves of the processes (every process must call this; the main process receives it): the
+    trainable tensors by name, the optimizer state (the layout above) and every process's RNG state."""
+    trainable = gathered_trainable(model, accelerator)
+    optimizer_state = gathered_optimizer_state(model, optimizer, names, accelerator)
+    rng_states = gather_object([rng_state()]) if accelerator.num_processes > 1 else [rng_state()]
+    return trainable, optimizer_state, rng_states
+
+
+def restore_state(model, optimizer, saved: dict, names: list[str], accelerator: Accelerator) -> None:
+    """A checkpoint's optimizer state and this process's RNG state put back (after ``prepare``, which under FSDP
+    swaps the optimizer's parameters for the shards)."""
+    load_optimizer_state(model, optimizer, saved["optimizer"], names, accelerator)
+    set_rng_state(saved["rng"])

@@ -9,20 +9,20 @@ from accelerate import Accelerator
 
 from mha2mla.evaluation.perplexity import batch_nll
 from mha2mla.train.data import PackedSequences, target_mask
-from mha2mla.train.distributed import is_sharded
 
 
 @torch.no_grad()
-def packed_perplexity(model, rows: PackedSequences, batch_size: int, accelerator: Accelerator) -> float:
+def packed_perplexity(model, rows: PackedSequences, batch_size: int, accelerator: Accelerator,
+                      sharded: bool = False) -> float:
     """Perplexity of ``model`` over packed ``rows`` (segment starts are not targets), scored with the project's
-    ``batch_nll``: each process takes every P-th row and the sums are reduced across processes. Under FSDP a
-    forward gathers weights from every process, so all run the same number of batches: one whose rows have run out
-    scores row 0 again and leaves it out of the sums."""
+    ``batch_nll``: each process takes every P-th row and the sums are reduced across processes. Under FSDP
+    (``sharded``) a forward gathers weights from every process, so all run the same number of batches: one whose
+    rows have run out scores row 0 again and leaves it out of the sums."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     indices = torch.arange(accelerator.process_index, len(rows), accelerator.num_processes)
-    busiest = -(-len(rows) // accelerator.num_processes) if is_sharded(accelerator) else len(indices)
+    busiest = -(-len(rows) // accelerator.num_processes) if sharded else len(indices)
     for start in range(0, busiest, batch_size):
         chosen = indices[start : start + batch_size]
         batch = {k: v.to(accelerator.device) for k, v in rows.rows(chosen if len(chosen) else indices.new_zeros(1)).items()}

@@ -113,17 +113,17 @@ def micro_batch_losses(model, unwrapped, teacher, batch: dict[str, torch.Tensor]
     against the lm_heads chunk by chunk; ``whole_logits``: from the models' whole logits instead (``logit_losses``,
     the same values: a sharded model's lm_head weight is only whole inside its forward)."""
     weight = distill_weight if teacher is not None else 0.0
-    if whole_logits:
-        logits = model(**batch, use_cache=False).logits  # (B, L, V)
-        with torch.no_grad():
-            teacher_logits = None if teacher is None else teacher(**batch, use_cache=False).logits
-        return logit_losses(logits, teacher_logits, batch["input_ids"], mask, 1 - weight, weight, temperature)
-    hidden = final_hidden(model, unwrapped, batch)  # (B, L, H)
-    teacher_hidden = teacher_head = None
-    if teacher is not None:
-        with torch.no_grad():
-            teacher_hidden = final_hidden(teacher, teacher, batch)
-        teacher_head = teacher.get_output_embeddings().weight
-    head = unwrapped.get_output_embeddings().weight
-    return head_losses(hidden, head, teacher_hidden, teacher_head, batch["input_ids"], mask, 1 - weight, weight,
-                       temperature)
+    if not whole_logits:
+        hidden = final_hidden(model, unwrapped, batch)  # (B, L, H)
+        teacher_hidden = teacher_head = None
+        if teacher is not None:
+            with torch.no_grad():
+                teacher_hidden = final_hidden(teacher, teacher, batch)
+            teacher_head = teacher.get_output_embeddings().weight
+        head = unwrapped.get_output_embeddings().weight
+        return head_losses(hidden, head, teacher_hidden, teacher_head, batch["input_ids"], mask, 1 - weight, weight,
+                           temperature)
+    logits = model(**batch, use_cache=False).logits  # (B, L, V)
+    with torch.no_grad():
+        teacher_logits = None if teacher is None else teacher(**batch, use_cache=False).logits
+    return logit_losses(logits, teacher_logits, batch["input_ids"], mask, 1 - weight, weight, temperature)

@@ -1,8 +1,9 @@
 """How much memory a recovery run needs, from the model's shapes and the run's settings, before anything loads
 (``mha2mla recover --dry-run``, and the first lines of every run; docs/recover.md, "Memory").
 
-The parameter counts are exact: the student (and a teacher folder) are built on torch's ``meta`` device from their
-config.json and made trainable as the run makes them (LoRA, full attention or full layers), which allocates nothing.
+The parameter counts are exact (trainable.meta_counts): the student (and a teacher folder) are built on torch's ``meta``
+device from their config.json and made trainable as the run makes them (LoRA, full attention or full layers), which
+allocates nothing.
 The rest is counted per process from what the run holds at its peak, a training step's backward pass:
 
 - weights: every student parameter in float32 (frozen ones too: bf16 runs autocast over float32 weights);
@@ -33,6 +34,7 @@ import torch
 from mha2mla import UserError
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.losses import CHUNK_POSITIONS
+from mha2mla.train.trainable import ParameterCounts, meta_counts
 
 log = logging.getLogger(__name__)
 
@@ -64,29 +66,6 @@ class MemoryEstimate:
         return [*parts, f"  {'total':<12} {self.total / GIB:8.3f} GiB"]
 
 
-def meta_model(config_path: Path):
-    """The causal LM of ``config_path`` (a config.json) on the meta device: its shapes, no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(config_path.parent))
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def parameter_counts(config: RecoverConfig) -> tuple[int, int]:
-    """(trainable, total) parameters of the student as the run trains it."""
-    import warnings
-
-    from mha2mla.train.model import make_trainable
-
-    model = meta_model(Path(config.model) / "config.json")
-    with warnings.catch_warnings():  # peft warns that meta tensors cannot be initialised: nothing to initialise
-        warnings.simplefilter("ignore")
-        model = make_trainable(model, config.adapter, layers=config.full_layers)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
-
-
 def saved_per_token(model_config: dict, config: RecoverConfig) -> int:
     """Elements autograd keeps per token in one decoder layer of a converted (DeepSeek-V3 MLA) model: the two
     RMSNorms' inputs and outputs (3 x hidden each), the attention's projections (q, the latent and its norm, the
@@ -107,11 +86,12 @@ def saved_per_token(model_config: dict, config: RecoverConfig) -> int:
     return norms + attention + mlp + lora
 
 
-def estimate(config: RecoverConfig, compute_dtype: str = "float32", world: int = 1, sharded: bool = False,
-             teacher_parameters: int | None = None) -> MemoryEstimate:
-    """The run's memory per process (``world`` processes; ``sharded``: FSDP, weights and states split over them)."""
+def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, compute_dtype: str = "float32",
+             world: int = 1, sharded: bool = False) -> MemoryEstimate:
+    """The run's memory per process (``world`` processes; ``sharded``: FSDP, weights and states split over them),
+    from the parameter counts (trainable.meta_counts) and the run's optimizer steps."""
     model_config = json.loads((Path(config.model) / "config.json").read_text())
-    trainable, total = parameter_counts(config)
+    trainable, total = counts.trainable, counts.total
     split = world if sharded else 1
     compute_bytes = 2 if compute_dtype == "bfloat16" else 4
     tokens = config.batch_size * config.seq_len  # one micro-batch
@@ -122,21 +102,14 @@ def estimate(config: RecoverConfig, compute_dtype: str = "float32", world: int =
     activations = tokens * (kept + per_layer + 4 * hidden) * compute_bytes
     teacher = 0
     if config.teacher is not None:
-        teacher = (teacher_parameters if teacher_parameters is not None else total) * compute_bytes
+        teacher = (counts.teacher if counts.teacher is not None else total) * compute_bytes
     chunk = min(CHUNK_POSITIONS, tokens)
     logits = chunk * vocab * 4 * CHUNK_COPIES[config.teacher is not None] + tokens * hidden * 4
     if sharded:  # whole logits: the student's and its gradient, and the teacher's
         logits += tokens * vocab * compute_bytes * (3 if config.teacher is not None else 2)
-    rows = config.total_steps(world) * config.batch_size * config.grad_accum * world + config.eval_sequences
+    rows = total_steps * config.batch_size * config.grad_accum * world + config.eval_sequences
     return MemoryEstimate(weights=total * 4 // split, gradients=trainable * 4 // split, optimizer=trainable * 8 // split,
                           teacher=teacher, activations=activations, logits=logits, data=rows * config.seq_len * 16)
-
-
-def teacher_parameters(config: RecoverConfig) -> int | None:
-    """A teacher folder's parameter count from its config.json (None: no teacher folder to read)."""
-    if config.teacher is None or not (Path(config.teacher) / "config.json").is_file():
-        return None
-    return sum(p.numel() for p in meta_model(Path(config.teacher) / "config.json").parameters())
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -164,24 +137,24 @@ def check_fits(memory: MemoryEstimate, device: torch.device, free: int | None = 
 
 def planned(config: RecoverConfig) -> tuple[MemoryEstimate, torch.device, str]:
     """The estimate of ``config``'s run on the device it would run on, without starting it (``--dry-run``): the
-    estimate, the device and the compute dtype, resolved as the run resolves them."""
+    estimate, the device and the compute dtype, resolved as the run resolves them (devices.py)."""
     from mha2mla.compute import resolve_compute_dtype
-    from mha2mla.train.distributed import run_device
+    from mha2mla.train.devices import run_device
 
     device = run_device()
     compute_dtype = resolve_compute_dtype(config.compute_dtype, device.type, cpu_bf16=config.adapter is None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sharded = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
-    memory = estimate(config, compute_dtype, world, sharded and world > 1, teacher_parameters(config))
+    memory = estimate(config, meta_counts(config), config.total_steps(world), compute_dtype, world, sharded and world > 1)
     return memory, device, compute_dtype
 
 
-def check_run_memory(config: RecoverConfig, compute_dtype: str, world: int, sharded: bool, device: torch.device,
-                     is_main: bool = True) -> MemoryEstimate:
-    """The first lines of every run: its estimate, logged by the main process; then refused if it does not fit."""
-    memory = estimate(config, compute_dtype, world, sharded, teacher_parameters(config))
-    if is_main:
-        log.info("memory per process, estimated (%s, %s; docs/recover.md, \"Memory\"):\n%s", device, compute_dtype,
-                 "\n".join(memory.lines()))
-    check_fits(memory, device)
+def check_run_memory(config: RecoverConfig, counts: ParameterCounts, total_steps: int, devices) -> MemoryEstimate:
+    """The first lines of every run: its estimate on ``devices`` (devices.Devices), logged by the main process; then
+    refused if it does not fit."""
+    memory = estimate(config, counts, total_steps, devices.compute_dtype, devices.world, devices.sharded)
+    if devices.is_main:
+        log.info("memory per process, estimated (%s, %s; docs/recover.md, \"Memory\"):\n%s", devices.device,
+                 devices.compute_dtype, "\n".join(memory.lines()))
+    check_fits(memory, devices.device)
     return memory

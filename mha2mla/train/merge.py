@@ -16,10 +16,10 @@ from peft import PeftModel
 
 from mha2mla.io.card import write_recovery_card
 from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVERY_REPORT
-from mha2mla.io.output import check_destination, staged_output
+from mha2mla.io.output import staged_output
 from mha2mla.modeling.absorbed import write_absorbed
-from mha2mla.train.distributed import gathered_trainable
-from mha2mla.train.model import load_student, load_trainable_state, make_trainable
+from mha2mla.train.model import load_student
+from mha2mla.train.trainable import load_trainable_state, make_trainable
 
 
 def merged_model(model):
@@ -34,15 +34,6 @@ def stored_dtype(model_folder: Path) -> torch.dtype:
     config = json.loads((Path(model_folder) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
-
-
-def check_out_folder(config) -> None:
-    """Refuse a --out that is unsafe to write before any training: an input (model, teacher, data), a folder holding
-    one, the current folder or one above it, a symbolic link, a file, or a place that cannot be written."""
-    inputs = [("the model being recovered", config.model), ("the teacher", config.teacher)]
-    inputs += [("the training data", spec) for spec in config.data or []]
-    inputs += [("the held-out data", spec) for spec in config.eval_data or []]
-    check_destination(config.out_path, inputs, name="--out")
 
 
 def keep_input_config_keys(source: Path, written: Path) -> None:
@@ -86,37 +77,9 @@ def write_recovered(
     return out
 
 
-def recovery_report(run) -> dict:
-    """The recovery report (``OUT/recovery_report.json``): curves, throughput, what trained, how it ran."""
-    state = run.state
-    trainable, total = run.parameter_counts
-    return {
-        "steps": state["step"],
-        "tokens_trained": state["tokens_trained"],
-        "final_loss": state["losses"][-1] if state["losses"] else None,
-        "losses": state["losses"],
-        "evaluations": state["evaluations"],
-        "seconds": state["train_seconds"],
-        "tokens_per_second": state["tokens_trained"] / max(state["train_seconds"], 1e-9),
-        "trainable_parameters": trainable,
-        "total_parameters": total,
-        "num_processes": run.world,
-        "compute_dtype": run.compute_dtype,  # as resolved for the device (bfloat16: bf16 autocast)
-        "resumed_from": str(run.resume_from) if run.resume_from is not None else None,
-    }
-
-
-def gathered_model(run):
-    """Under FSDP: the trained model in one piece on the main process (None on the others). The trainable
-    tensors are gathered, the sharded model and optimizer let go, and the main process loads the input model
-    again with the same trainable parameters and the gathered values (the frozen weights never changed)."""
-    config = run.config
-    trainable = gathered_trainable(run.model, run.accelerator)
-    run.model = run.optimizer = None
-    run.params = []
-    run.accelerator.free_memory()
-    if not run.is_main:
-        return None
+def reloaded_model(config, trainable: dict):
+    """The trained model in one piece after FSDP (main process): the input model loaded again, made trainable as the
+    run made it, with the gathered trainable values (the frozen weights never changed)."""
     model = make_trainable(load_student(config.model, config.attn_implementation), config.adapter,
                            layers=config.full_layers)
     load_trainable_state(model, trainable)

@@ -1,12 +1,29 @@
-"""``recover(config)``: the public entry point of recovery fine-tuning. It runs a ``RecoveryRun``
-(mha2mla/train/run.py): setup, the training loop, the merged model written to OUT, cleanup."""
+"""``recover(config)``: the public entry point of recovery fine-tuning, the run read top to bottom: the devices and
+compute dtype (devices.py), the checks (preflight.py), the tokenizer and teacher (teacher.py), the training and
+held-out rows (generated.py), the student and what trains of it (model.py, trainable.py), the ``RecoveryRun``
+that trains it (run.py) in its run folder (log.py), and the merged model written to OUT."""
 
 from __future__ import annotations
 
+import gc
+import logging
+
+import torch
+from accelerate.utils import set_seed
+
 from mha2mla.train import RunInterrupted
+from mha2mla.train.checkpoint import interrupted_sentence
 from mha2mla.train.config import RecoverConfig
-from mha2mla.train.resume import interrupted_sentence
-from mha2mla.train.run import RecoveryRun
+from mha2mla.train.devices import start_devices
+from mha2mla.train.generated import prepare_rows
+from mha2mla.train.log import open_run_folder
+from mha2mla.train.model import build_student
+from mha2mla.train.preflight import preflight
+from mha2mla.train.run import RecoveryRun, fresh_state
+from mha2mla.train.teacher import load_teacher, load_tokenizer
+from mha2mla.train.trainable import check_trainable_shapes, load_trainable_state, make_trainable
+
+log = logging.getLogger(__name__)
 
 
 def recover(config: RecoverConfig, resume: str | None = None, show_progress: bool = True) -> dict:
@@ -15,13 +32,39 @@ def recover(config: RecoverConfig, resume: str | None = None, show_progress: boo
     ``resume``: None (fresh run; OUT must be new or empty), ``"auto"`` (continue from OUT's latest checkpoint
     if any) or a checkpoint folder. Returns the recovery report (also written to OUT/recovery_report.json). Ctrl-C
     is a :class:`RunInterrupted` saying what OUT keeps (its checkpoints stay: the run resumes from them)."""
-    recipe = RecoveryRun(config, resume=resume, show_progress=show_progress)
+    run = student = teacher = train_rows = held_out = None
     try:
-        recipe.setup()
-        report = recipe.train()
-        recipe.export(report)
+        devices = start_devices(config)
+        plan = preflight(config, resume, devices)
+        tokenizer = load_tokenizer(config.model)
+        if config.teacher is not None:  # before the data: without --data the teacher writes it (generated.py)
+            teacher = load_teacher(config.teacher, config.attn_implementation, devices.dtype,
+                                   plan.model_config.get("vocab_size"))
+        rows_needed = plan.total_steps * config.batch_size * config.grad_accum * devices.world
+        train_rows, held_out = prepare_rows(config, tokenizer, rows_needed, teacher, devices.accelerator, show_progress)
+        set_seed(config.seed)  # before the LoRA weights are drawn
+        student = build_student(config.model, plan.model_config, config.attn_implementation, torch.float32,
+                                devices.device.type, devices.compute_dtype)
+        if config.activation_checkpointing:  # non-reentrant torch.utils.checkpoint per decoder layer
+            student.activation_checkpointing_enable()
+        student = make_trainable(student, config.adapter, layers=config.full_layers)
+        if plan.saved is not None:  # before sharding: every process holds the whole model
+            check_trainable_shapes(plan.resume_from, plan.saved["trainable"], student)
+            load_trainable_state(student, plan.saved["trainable"])
+        run = RecoveryRun(config, devices, plan.total_steps, tokenizer)
+        run.setup_training(student, teacher, plan.saved)
+        state = fresh_state() if plan.saved is None else {**fresh_state(), **plan.saved["state"]}
+        if plan.saved is not None:
+            log.info("resuming from %s (step %d)", plan.resume_from, state["step"])
+        open_run_folder(config.out_path, plan.settings, state["step"], devices.is_main)
+        devices.accelerator.wait_for_everyone()
+        report = run.train(train_rows, held_out, state, plan.resume_from, show_progress)
+        run.export(report)
     except KeyboardInterrupt as interrupt:
         raise RunInterrupted(interrupted_sentence(config.out_path)) from interrupt
-    finally:
-        recipe.cleanup()
+    finally:  # the models, optimizer and data let go (GPU memory returned), whatever ended the run
+        run = student = teacher = train_rows = held_out = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return report

@@ -12,7 +12,9 @@ from common import build_source
 from mha2mla.train import LoraSettings, losses
 from mha2mla.train.data import pack_token_lists, target_mask
 from mha2mla.train.head_losses import final_hidden, head_losses, micro_batch_losses
-from mha2mla.train.model import load_student, load_teacher, make_trainable
+from mha2mla.train.model import load_student
+from mha2mla.train.teacher import load_teacher
+from mha2mla.train.trainable import make_trainable
 
 
 def _whole(hidden, weight, teacher_hidden, teacher_weight, ids, mask, lm_weight, kl_weight, temperature):

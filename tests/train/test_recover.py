@@ -22,9 +22,12 @@ from transformers import AutoModelForCausalLM
 from mha2mla.recipes import build_settings
 from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, losses, recover
 from mha2mla.train.data import RowOrder, pack_token_lists, target_mask
+from mha2mla.train.devices import start_devices
 from mha2mla.train.merge import write_recovered
-from mha2mla.train.model import load_student, load_tokenizer, make_trainable
+from mha2mla.train.model import load_student
 from mha2mla.train.run import RecoveryRun
+from mha2mla.train.teacher import load_tokenizer
+from mha2mla.train.trainable import make_trainable
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
@@ -257,7 +260,7 @@ def test_train_step_trains_a_source_model_with_lora_settings(tmp_path):
     lora = LoraSettings(rank=4, alpha=8, targets=SOURCE_LORA_TARGETS)
     config = RecoverConfig(model=str(source), data=["unused"], out=str(tmp_path / "never-written"), max_steps=10,
                            batch_size=2, grad_accum=2, learning_rate=1e-2, lora=lora)
-    recipe = RecoveryRun(config, show_progress=False)
+    recipe = RecoveryRun(config, start_devices(config), config.total_steps())
     recipe.setup_training(make_trainable(AutoModelForCausalLM.from_pretrained(source), config.lora))
     trainable = {name for name, p in recipe.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)

@@ -13,15 +13,18 @@ from pathlib import Path
 import pytest
 from common import SAMPLE_TEXT
 
-import mha2mla.train.budget
+import mha2mla.train.run
 from mha2mla.train import RecoverConfig, recover
 
 
 @pytest.fixture
 def text(tmp_path) -> Path:
-    path = tmp_path / "corpus.txt"
-    path.write_text(SAMPLE_TEXT * 4)
-    return path
+    """Two documents: the held-out rows are the first one's (whole documents are held out), the training the other's."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_text(SAMPLE_TEXT * 4)
+    return folder
 
 
 def _config(model: Path, text: Path, out: Path, **overrides) -> RecoverConfig:
@@ -33,7 +36,7 @@ def _config(model: Path, text: Path, out: Path, **overrides) -> RecoverConfig:
 def _clock(monkeypatch, seconds_per_reading: float = 10.0) -> None:
     """The budget's clock moves ``seconds_per_reading`` each time it is read (once per step, twice at the start)."""
     ticks = count(1)
-    monkeypatch.setattr(mha2mla.train.budget, "monotonic", lambda: next(ticks) * seconds_per_reading)
+    monkeypatch.setattr(mha2mla.train.run, "monotonic", lambda: next(ticks) * seconds_per_reading)
 
 
 def test_the_budget_stops_before_the_step_that_would_end_past_it(tiny_mla, text, tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ from mha2mla.train import LoraSettings, RecoverConfig
 from mha2mla.train.data import pack_token_lists, target_mask
 from mha2mla.train.head_losses import micro_batch_losses
 from mha2mla.train.memory import estimate
-from mha2mla.train.model import load_student, make_trainable
+from mha2mla.train.model import load_student
+from mha2mla.train.trainable import make_trainable, meta_counts
 
 
 def _losses_and_grads(model_folder, lora: LoraSettings | None, checkpointing: bool):
@@ -43,5 +44,7 @@ def test_checkpointing_is_not_an_outcome_setting_and_lowers_the_estimate(tiny_ml
                 "full_layers": True}
     plain, checkpointed = RecoverConfig(**settings), RecoverConfig(**settings, activation_checkpointing=True)
     assert plain.outcome_fields() == checkpointed.outcome_fields()
-    assert estimate(checkpointed).activations < estimate(plain).activations
-    assert estimate(checkpointed).weights == estimate(plain).weights
+    plain_estimate = estimate(plain, meta_counts(plain), plain.total_steps())
+    checkpointed_estimate = estimate(checkpointed, meta_counts(checkpointed), checkpointed.total_steps())
+    assert checkpointed_estimate.activations < plain_estimate.activations
+    assert checkpointed_estimate.weights == plain_estimate.weights

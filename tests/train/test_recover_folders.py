@@ -80,6 +80,28 @@ def test_keep_checkpoints_after_run_leaves_them_in_their_subfolder(tiny_mla, tex
     assert not list(out.glob("step-*"))
 
 
+def test_a_checkpoint_keeps_the_rows_position_and_a_resume_gives_it_back(tiny_mla, text, tmp_path, monkeypatch):
+    """The trainer state of a checkpoint holds the training rows' own ``state_dict()`` under ``data``; a resumed run
+    hands it to the rows' ``load_state_dict`` before its first step."""
+    out = tmp_path / "out"
+    checkpoint = _unfinished_run(tiny_mla, text, out)
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["data"]
+    assert isinstance(saved, dict) and saved
+    import mha2mla.train.generated
+
+    loaded, prepare_rows = [], mha2mla.train.generated.prepare_rows
+
+    def rows_recording_loads(*args, **kwargs):
+        train_rows, held_out = prepare_rows(*args, **kwargs)
+        original = train_rows.load_state_dict
+        train_rows.load_state_dict = lambda state: (loaded.append(state), original(state))[1]
+        return train_rows, held_out
+
+    monkeypatch.setattr("mha2mla.train.trainer.prepare_rows", rows_recording_loads)
+    report = recover(RecoverConfig(**_settings(tiny_mla, text, out)), resume="auto", show_progress=False)
+    assert loaded == [saved] and report["steps"] == 4
+
+
 def test_resuming_a_finished_run_from_a_named_checkpoint_is_refused_before_training(tiny_mla, text, tmp_path,
                                                                                    monkeypatch, capsys):
     out = tmp_path / "out"

@@ -37,9 +37,11 @@ SETTINGS = ["--max-steps", "40", "--seq-len", "32", "--grad-accum", "2", "--lr",
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """One long document: every packed row has the same number of targets, so the mean loss of 4 rows equals the
-    mean of two processes' 2-row means, and one process and two must compute the same curve."""
+    """One long document to train on (the held-out rows come from a first one: whole documents are held out): every
+    packed row has the same number of targets, so the mean loss of 4 rows equals the mean of two processes' 2-row
+    means, and one process and two must compute the same curve."""
     folder = tmp_path_factory.mktemp("corpus")
+    (folder / "held_out.txt").write_text(SAMPLE_TEXT * 20)
     (folder / "one.txt").write_text(SAMPLE_TEXT * 20)
     return folder
 

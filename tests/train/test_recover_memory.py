@@ -17,6 +17,7 @@ from common import SAMPLE_TEXT, tiny_deepseek_config, tiny_tokenizer
 
 from mha2mla.train import RecoverConfig
 from mha2mla.train.memory import GIB, estimate
+from mha2mla.train.trainable import meta_counts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,15 +73,18 @@ def _settings(model: Path, out: Path, text: Path, run: dict) -> dict:
 def test_the_estimate_is_within_20_percent_of_the_measured_peak(name, tmp_path):
     shape, run = SHAPES[name]
     model = _model(tmp_path / "model", shape)
-    (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 40)
-    settings = _settings(model, tmp_path / "out", tmp_path / "text.txt", run)
+    (tmp_path / "text").mkdir()
+    for name in ("a.txt", "b.txt"):  # the held-out rows are the first document's (whole documents are held out)
+        (tmp_path / "text" / name).write_text(SAMPLE_TEXT * 40)
+    settings = _settings(model, tmp_path / "out", tmp_path / "text", run)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
     result = subprocess.run([sys.executable, "-c", CHILD, json.dumps(settings)], env=env, capture_output=True,
                             text=True, check=False, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     used = measured["peak"] - measured["before"]
-    estimated = estimate(RecoverConfig(**settings)).total
+    config = RecoverConfig(**settings)
+    estimated = estimate(config, meta_counts(config), config.total_steps()).total
     print(f"{name}: estimated {estimated / GIB:.3f} GiB, measured {used / GIB:.3f} GiB")  # shown with -s
     assert used > 100 * 2**20, used  # a shape whose run, not the process, is what is measured
     assert abs(estimated - used) <= 0.2 * used, f"estimated {estimated / GIB:.3f} GiB, measured {used / GIB:.3f} GiB"

@@ -15,14 +15,17 @@ from safetensors.torch import load_file
 import mha2mla.compute
 from mha2mla.train import RecoverConfig, recover
 from mha2mla.train.data import pack_token_lists
-from mha2mla.train.model import load_student, make_trainable
+from mha2mla.train.devices import start_devices
+from mha2mla.train.model import load_student
 from mha2mla.train.run import RecoveryRun
+from mha2mla.train.trainable import make_trainable
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
-    (folder / "a.txt").write_text(SAMPLE_TEXT * 6)
+    for name in ("a.txt", "b.txt"):  # the held-out rows come from whole documents: a.txt, the training from b.txt
+        (folder / name).write_text(SAMPLE_TEXT * 6)
     return folder
 
 
@@ -36,8 +39,7 @@ def _config(model, data, out, **overrides) -> RecoverConfig:
 def _one_step_dtypes(config: RecoverConfig, model_folder) -> tuple[RecoveryRun, torch.dtype, set[torch.dtype]]:
     """A run's policy after one train step: (the run, the dtype of a LoRA A matmul's output inside the forward,
     the dtypes of the trainable parameters and of their gradients)."""
-    run = RecoveryRun(config, show_progress=False)
-    run.start_accelerator()
+    run = RecoveryRun(config, start_devices(config), config.total_steps())
     model = make_trainable(load_student(model_folder), config.lora)
     seen = []
     lora_a = next(module for name, module in model.named_modules() if name.endswith("q_proj.lora_A.default"))
@@ -70,10 +72,9 @@ def test_auto_follows_the_cpu_and_the_trainable_set(tiny_mla, tmp_path, monkeypa
     float32 (bf16 LoRA measured harmful)."""
     monkeypatch.setattr(mha2mla.compute, "cpu_flags", lambda *args: set(flags))
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
-    run = RecoveryRun(_config(tiny_mla, tiny_mla, tmp_path / "o", **full), show_progress=False)
-    run.start_accelerator()
-    assert run.compute_dtype == expected
-    assert run.accelerator.mixed_precision == ("bf16" if expected == "bfloat16" else "no")
+    devices = start_devices(_config(tiny_mla, tiny_mla, tmp_path / "o", **full))
+    assert devices.compute_dtype == expected
+    assert devices.accelerator.mixed_precision == ("bf16" if expected == "bfloat16" else "no")
 
 
 def test_bf16_recovery_lowers_the_loss_and_keeps_the_output_dtype(tiny_mla, corpus, tmp_path):
@@ -102,3 +103,19 @@ def test_a_run_saved_with_mixed_precision_resumes_under_compute_dtype(tmp_path):
     check_same_run(config, tmp_path)
     with pytest.raises(UserError, match="compute_dtype"):
         check_same_run(config.model_copy(update={"compute_dtype": "bfloat16"}), tmp_path)
+
+
+def test_the_compute_dtype_is_decided_once_per_run(tiny_mla, corpus, tmp_path, monkeypatch):
+    """devices.start_devices resolves the compute dtype, and nothing else in a run does it again."""
+    import mha2mla.train.devices
+
+    calls, resolve = [], mha2mla.compute.resolve_compute_dtype
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return resolve(*args, **kwargs)
+
+    monkeypatch.setattr(mha2mla.compute, "resolve_compute_dtype", counted)
+    monkeypatch.setattr(mha2mla.train.devices, "resolve_compute_dtype", counted)
+    report = recover(_config(tiny_mla, corpus, tmp_path / "out", max_steps=2), show_progress=False)
+    assert len(calls) == 1 and report["compute_dtype"] == "float32"

@@ -1,0 +1,58 @@
+"""Everything a user can get wrong about a recovery run, checked before anything loads or OUT is touched, in one
+place: the model folder (and the teacher: a folder or a ``.gguf`` file), OUT (not an input, not above the current
+folder, writable), the run folder's state and the checkpoint to resume (resume.py), and the memory the run needs
+on its device (memory.py). What the checks read comes back as the run's ``Plan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mha2mla import UserError
+from mha2mla.io.model_folder import check_model_folder
+from mha2mla.io.output import check_destination
+from mha2mla.train.config import RecoverConfig
+from mha2mla.train.devices import Devices
+from mha2mla.train.memory import check_run_memory
+from mha2mla.train.model import STUDENT_HINT
+from mha2mla.train.resume import restore
+from mha2mla.train.trainable import ParameterCounts, meta_counts
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the checks found: the model's config.json, the run's optimizer steps (over every process), its
+    outcome settings (what a resumed run must share), the checkpoint it resumes from and what that holds (None:
+    a fresh run), and the parameter counts of the estimate."""
+
+    model_config: dict
+    total_steps: int
+    settings: dict
+    resume_from: Path | None
+    saved: dict | None
+    counts: ParameterCounts
+
+
+def preflight(config: RecoverConfig, resume: str | None, devices: Devices) -> Plan:
+    """Check ``config``'s inputs, OUT and the resume point (``resume``: None, ``"auto"`` or a checkpoint folder)
+    and refuse, in one sentence, a run that would fail or not fit on ``devices``; a damaged checkpoint is one
+    sentence before the estimate's lines."""
+    total_steps = config.total_steps(devices.world)
+    settings = config.outcome_fields()
+    model_config = check_model_folder(config.model, hint=STUDENT_HINT)
+    if config.teacher is not None:
+        teacher = Path(config.teacher).expanduser()
+        if not teacher.exists():
+            raise UserError(f"teacher {config.teacher} does not exist; give the source model folder or its .gguf file.")
+        if teacher.is_file() and teacher.suffix.lower() != ".gguf":
+            raise UserError(f"teacher {config.teacher} is a file but not a .gguf; give a model folder or a .gguf file.")
+        if teacher.is_dir():
+            check_model_folder(teacher, hint=STUDENT_HINT)
+    inputs = [("the model being recovered", config.model), ("the teacher", config.teacher)]
+    inputs += [("the training data", spec) for spec in config.data or []]
+    inputs += [("the held-out data", spec) for spec in config.eval_data or []]
+    check_destination(config.out_path, inputs, name="--out")  # refused before any training, not at export
+    resume_from, saved = restore(config, resume, settings, total_steps, devices.rank)
+    counts = meta_counts(config)
+    check_run_memory(config, counts, total_steps, devices)
+    return Plan(model_config, total_steps, settings, resume_from, saved, counts)

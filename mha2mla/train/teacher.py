@@ -1,0 +1,47 @@
+"""What a recovery run loads before its text: the tokenizer (the student's) and the teacher, the frozen source
+model (a Hugging Face folder or a ``.gguf`` file, dequantized on load) that the student is distilled from and that
+writes the training text when there is no ``--data`` (generated.py). The teacher's path was checked with the other
+inputs (preflight.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mha2mla import UserError
+from mha2mla.io.source import load_gguf_model
+
+STUDENT_ONLY_ATTENTION = ("mha2mla_triton", "auto")  # MLA kernels: an MHA/GQA teacher runs sdpa instead
+
+
+def load_tokenizer(folder: str | Path):
+    """The tokenizer of a model folder; one that does not load is one sentence."""
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load a tokenizer from {folder} ({str(error).splitlines()[0][:160]}).") from None
+
+
+def load_teacher(source: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
+                 student_vocab: int | None = None):
+    """The frozen source model of ``source`` (a folder or a ``.gguf`` file) in ``dtype``, in eval mode without
+    gradients. ``student_vocab``: the student's vocabulary size (its config's ``vocab_size``), which the teacher's
+    must equal (None: not compared)."""
+    path = Path(source).expanduser()
+    implementation = "sdpa" if attn_implementation in STUDENT_ONLY_ATTENTION else attn_implementation
+    if path.is_file():  # a dequantized GGUF model is a plain float model (docs/recover.md)
+        model, _ = load_gguf_model(path, dtype, attn_implementation=implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=implementation)
+    model.config.use_cache = False
+    model.eval()
+    model.requires_grad_(False)
+    teacher_vocab = model.get_output_embeddings().weight.shape[0]
+    if student_vocab is not None and student_vocab != teacher_vocab:
+        raise UserError(
+            f"the teacher's vocabulary ({teacher_vocab}) differs from the model's ({student_vocab}); "
+            "distil from the model it was converted from."
+        )
+    return model
