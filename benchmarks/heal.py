@@ -173,7 +173,7 @@ def _source_scores(work: Path, num_tokens: int, items: int | None = None) -> dic
 
 def _table(rows: list[dict], source: dict, first: str) -> str:
     """The Markdown table: perplexity (× source) on the in-domain then the unseen slices, then MC accuracy."""
-    tasks = [t for t in MC_TASKS if all(t in row["scores"] for row in rows)]
+    tasks = [t for t in MC_TASKS if t in source and any(t in row["scores"] for row in rows)]
     head = [f"{DOMAIN_LABEL[n]}: {n} ppl (×)" for n in DOMAINS] + [f"unseen: {t} acc (points)" for t in tasks]
     cells = [f"{source[n]:.2f}" for n in DOMAINS] + [f"{source[t]['acc']:.2f}" for t in tasks]
     lines = [f"| {first} | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head), "| source | " + " | ".join(cells)
@@ -181,7 +181,7 @@ def _table(rows: list[dict], source: dict, first: str) -> str:
     for row in rows:
         s, r = row["scores"], row["x_source"]
         cells = [f"{s[n]:.2f} (×{r[n]:.3f})" for n in DOMAINS]
-        cells += [f"{s[t]['acc']:.2f} ({r[t + '_points']:+.1f})" for t in tasks]
+        cells += [f"{s[t]['acc']:.2f} ({r[t + '_points']:+.1f})" if t in s else "" for t in tasks]
         lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -208,19 +208,19 @@ def score(work: Path, names: list[str], converted: list[str], json_out: str | No
 
 
 def curve(work: Path, name: str, converted: str, json_out: str | None = None, num_tokens: int = CURVE_SCORE_TOKENS,
-          every: int = 1) -> None:
+          every: int = 1, items: int | None = 0) -> None:
     """The perplexities along run NAME: each checkpoint kept in WORK/NAME/checkpoints (``--keep-checkpoints N
-    --keep-checkpoints-after-run``) loaded over the converted model it started from."""
+    --keep-checkpoints-after-run``) loaded over the converted model it started from; the last one (the run's end)
+    also on the first ``items`` items of the continuation tasks (0: none)."""
     from safetensors.torch import load_file
 
-    source = _source_scores(work, num_tokens, 0)
-    rows = []
+    source = _source_scores(work, num_tokens, items)
     steps = [p for p in sorted((work / name / "checkpoints").glob("step-*")) if int(p.name[5:]) % every == 0]
+    rows = []
     for label, state in [("0", None), *((p.name.split("-")[1].lstrip("0"), p / "trainable.safetensors") for p in steps)]:
-        row = {"label": f"{name} step {label}",
-               "scores": model_scores(converted, num_tokens, load_file(str(state)) if state else None, items=0)}
-        row["x_source"] = _ratios(row["scores"], source)
-        rows.append(row)
+        last = state is not None and state.parent == steps[-1]
+        scores = model_scores(converted, num_tokens, load_file(str(state)) if state else None, items if last else 0)
+        rows.append({"label": f"{name} step {label}", "scores": scores, "x_source": _ratios(scores, source)})
     harness.report("recovery-curve", {"run": name, "slice_tokens": num_tokens}, rows, json_out,
                    table=_table(rows, source, "checkpoint"), source_scores=source)
 
@@ -272,7 +272,7 @@ def main() -> None:
                         f"{SLICE_TOKENS}, curve: {CURVE_SCORE_TOKENS})")
     parser.add_argument("--every", type=int, default=1, help="curve: the checkpoints of every N-th step only")
     parser.add_argument("--items", type=int, default=None, help="score: the first N items of each continuation "
-                        "task (default all 100; 0: none)")
+                        "task (score: default all 100; curve: default 0, none)")
     harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.work = args.work or harness.cache_path("heal")
@@ -287,7 +287,8 @@ def main() -> None:
             parser.error("mix takes --generated FOLDER")
         mix(args.work, args.generated)
     elif args.step == "curve":
-        curve(args.work, args.names[0], args.converted[0], args.json_out, args.slice_tokens or CURVE_SCORE_TOKENS, args.every)
+        curve(args.work, args.names[0], args.converted[0], args.json_out, args.slice_tokens or CURVE_SCORE_TOKENS, args.every,
+              args.items or 0)
     elif args.step == "regions":
         regions(args.work, args.names, args.converted, args.json_out)
     else:
