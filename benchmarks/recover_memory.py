@@ -99,7 +99,15 @@ def estimate_gib(text: str) -> float:
     raise SystemExit(f"error: no estimate in the dry run's output:\n{text[-2000:]}")
 
 
+def missing_options(case: str, tree: Path) -> list[str]:
+    """The options of ``case`` that ``tree``'s recover does not have (a baseline commit may predate some)."""
+    _, _, text = child([sys.executable, "-c", CLI, "recover", "--help"], tree)
+    return [flag for flag in CASES[case] if flag.startswith("--") and flag not in text]
+
+
 def run_case(case: str, tree: Path, args, work: Path, libraries: int) -> dict:
+    if tree != REPO and (missing := missing_options(case, tree)):
+        return {"case": case, "tree": tree.name, "peak GiB": None, "note": f"no {' '.join(missing)} there"}
     model, teacher = model_and_teacher(case, work)
     data = harness.cache_path("text", "healing_balanced.jsonl")
     out = Path(tempfile.mkdtemp(prefix="recover_memory_", dir=work)) / "out"
