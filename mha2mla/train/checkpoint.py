@@ -1,7 +1,9 @@
 """Resumable checkpoints: ``OUT/checkpoints/step-NNNNNN/`` holds the trainable weights (and the peft adapter),
-optimizer, scheduler, every process's RNG state (distributed.py gathers them) and the data position. They are the run's, not the model's: once the model is
-written they are removed (:func:`remove_checkpoints`) unless asked to stay. A run folder of the earlier layout
-(``OUT/step-NNNNNN/``) still resumes: both places are listed.
+optimizer, scheduler, every process's RNG state (distributed.py gathers them) and the trainer state with the data
+position. They are the run's, not the model's: once the model is written they are removed
+(:func:`remove_checkpoints`) unless asked to stay, and an interrupted run says which it keeps
+(:func:`interrupted_sentence`). A run folder of the earlier layout (``OUT/step-NNNNNN/``) still resumes: both places
+are listed.
 
 A checkpoint is written into a hidden staging folder next to it (mha2mla/io/output.py's names, so the next run
 removes one a killed writer left), every file fsynced, then renamed to ``step-NNNNNN``: a run killed while saving

@@ -3,7 +3,8 @@
 OUT is written as every mha2mla output folder is (mha2mla/io/output.py): into a hidden sibling named with the PID,
 the run folder's checkpoints and logs moved into it, then swapped in for OUT, so an error never leaves a half-written
 model in OUT and never loses the run's checkpoints. ``recovery_report.json`` marks the result as mha2mla's; the model
-card is written by mha2mla/io/card.py, the one card writer."""
+card is written by mha2mla/io/card.py, the one card writer. After FSDP the model is loaded again in one piece with
+the gathered trainable values (:func:`reloaded_model`)."""
 
 from __future__ import annotations
 
