@@ -14,7 +14,9 @@ source's (the cached GGUF, or ``--model``). Every measurement runs in a fresh pr
   the data state of a block ``--resume-at`` of the way in, and a hash of every batch);
 - ``in-memory packing``: ``data.build_packed`` over the small corpus (the path before streaming; the large corpus
   would need its rows in memory, 16 bytes a token);
-- ``resume``: a fresh process loads that state and reads the next batch, checked equal to the first pass's.
+- ``resume``: a fresh process loads that state and reads the next batch, checked equal to the first pass's;
+- side by side: the stream and the packing over a third, small corpus (``--ratio-tokens``) in turn, round after
+  round: their speed ratio (the measurements above run one after another, each under its own load).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--corpus", default="/tmp/recover_data_corpus", help="folder of the generated corpus")
     parser.add_argument("--tokens", type=float, default=1e9, help="about this many tokens in the large corpus")
     parser.add_argument("--small-tokens", type=float, default=2e7, help="about this many in the small one")
+    parser.add_argument("--ratio-tokens", type=float, default=2e6,
+                        help="about this many in the corpus the stream and the packing read in turn, round after round")
     parser.add_argument("--files", type=int, default=16, help="JSON-lines files of the large corpus")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--read-tokens", type=float, default=None,
@@ -137,6 +141,18 @@ def measure_resume(tokenizer, spec: dict) -> dict:
     return {"seconds": time.perf_counter() - started, "digest": _digest(batch)}
 
 
+def side_by_side(model: str, corpus: str, seq_len: int, rounds: int = 3) -> dict:
+    """Seconds of the stream's first epoch and of the in-memory packing over the same corpus, taken in turn round
+    after round (harness.time_side_by_side: both see the same load): the one speed ratio a shared machine gives."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    spec = {"corpus": corpus, "seq_len": seq_len}
+    times = harness.time_side_by_side({"stream": lambda _: measure_stream(tokenizer, spec),
+                                       "packing": lambda _: measure_packing(tokenizer, spec)}, repeats=rounds)
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
 def child(spec: dict) -> None:
     from transformers import AutoTokenizer
 
@@ -176,6 +192,8 @@ def main() -> int:
             p.stat().st_size for p in (corpus / "large").iterdir())
         small_bytes = write_corpus(corpus / "small", args.small_tokens, 1, seed=2) if made else sum(
             p.stat().st_size for p in (corpus / "small").iterdir())
+        if made:
+            write_corpus(corpus / "ratio", args.ratio_tokens, 1, seed=3)
         common = {"model": model, "seq_len": args.seq_len}
         small = in_child(kind="stream", corpus=str(corpus / "small"), **common)
         packing = in_child(kind="packing", corpus=str(corpus / "small"), **common)
@@ -183,6 +201,7 @@ def main() -> int:
                          read_tokens=args.read_tokens, **common)
         resume = in_child(kind="resume", corpus=str(corpus / "large"), resume_state=large["resume_state"],
                           resume_row=large["resume_row"], **common)
+        medians = side_by_side(model, str(corpus / "ratio"), args.seq_len)
     finally:
         if made and not args.keep:
             shutil.rmtree(corpus, ignore_errors=True)
@@ -194,8 +213,7 @@ def main() -> int:
     settings = {**vars(args), "batch_rows": BATCH_ROWS, "model": model}
     harness.report("recover_data", settings, rows, args.json_out, resume_equal=resume["digest"] == large["resume_digest"],
                    resume_vs_reading_to_the_row=resume["seconds"] / reading_to_row,
-                   stream_vs_packing_tokens_per_second=(small["tokens"] / small["seconds"])
-                   / (packing["tokens"] / packing["seconds"]))
+                   side_by_side_median_seconds=medians, packing_over_stream_seconds=medians["packing"] / medians["stream"])
     return 0
 
 
