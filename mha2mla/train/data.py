@@ -172,13 +172,6 @@ class MemoryRows:
             raise UserError(f"the checkpoint's data position ({state}) is not for these training rows "
                             f"({self.state_dict()}); resume with the settings and text the run started with.")
 
-    # the older row access, until every caller reads through rows_at
-    def __len__(self) -> int:
-        return len(self.packed)
-
-    def rows(self, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
-        return self.packed.rows(index)
-
 
 def evaluation_rows(config, tokenizer) -> PackedSequences:
     """The held-out rows of ``eval_data``: its first ``eval_sequences`` packed rows (all of them for 0)."""
