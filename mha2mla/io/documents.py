@@ -20,8 +20,8 @@ none is an error. Files must be UTF-8 (a leading byte-order mark is dropped).
 ``iter_located(unit, text_field, start)`` yields ``(locator, document)`` pairs of one of them, where a locator is a
 small JSON-able position a later call resumes at without reading what comes before, where the format allows: a
 JSON-lines file's byte offset (and line number), a parquet file's row group and row, a JSON file's item index
-(the file is parsed again), a dataset's record index (the records before it are skipped). A text file is one
-document (locator 0).
+(the file is parsed again), a dataset's record index and streaming state (``datasets``' own: shards before it are
+skipped). A text file is one document (locator 0).
 
 Every problem with the input is a :class:`mha2mla.UserError` of one sentence that names the file (and the line or
 record). A missing path or a folder without readable files is reported when ``iter_documents`` is called; the rest
@@ -253,28 +253,33 @@ def parse_dataset_id(spec: str) -> tuple[str, str | None, str]:
     return name, config or None, split or DEFAULT_SPLIT
 
 
-def _located_in_dataset(spec: str, text_field: str | None, start: int | None) -> Iterator[tuple[int, str]]:
-    """Records in the dataset's order from record ``start`` (the records before it are streamed past, not read)."""
+def _located_in_dataset(spec: str, text_field: str | None, start: object) -> Iterator[tuple[object, str]]:
+    """Records in the dataset's order from ``start``: [record index, the streamed dataset's state before it] (its
+    ``state_dict()``: shards before it are not read again), or an index alone (the records before it streamed past)."""
     name, config, split = parse_dataset_id(spec)
     try:  # optional and slow to import: only loaded when a dataset id is read
-        from datasets import load_dataset
+        from datasets import IterableDataset, load_dataset
     except ImportError:
         raise UserError(f"reading the dataset {spec} needs the `datasets` package; `pip install datasets` or give "
                         "local files.") from None
+    index, state = start if isinstance(start, list) else (start or 0, None)
     try:
-        records = iter(load_dataset(name, config, split=split, streaming=True))
+        dataset = load_dataset(name, config, split=split, streaming=True)
+        resumable = isinstance(dataset, IterableDataset)
+        if resumable and state is not None:
+            dataset.load_state_dict(state)
+        records = iter(dataset) if resumable and state is not None else islice(iter(dataset), index, None)
     except Exception as error:  # datasets raises many error types (not found, offline, bad config)
         raise _not_loadable(spec, error) from None
-    index = start or 0
-    records = islice(records, index, None)
     while True:
+        where = [index, dataset.state_dict()] if resumable else index
         try:
             record = next(records)
         except StopIteration:
             break
         except Exception as error:  # a network failure half-way through the stream
             raise _not_loadable(spec, error) from None
-        yield index, record_text(record, text_field, f"dataset {spec} record {index}")
+        yield where, record_text(record, text_field, f"dataset {spec} record {index}")
         index += 1
 
 

@@ -275,3 +275,24 @@ def test_a_dataset_resumes_at_a_record_index(monkeypatch):
     records.pop()
     assert list(iter_located("org/name")) == [(0, "a"), (2, "c")]
     assert list(iter_located("org/name", None, 2)) == [(2, "c")]
+
+
+def test_a_streamed_dataset_resumes_from_its_own_state(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"record {i}" for i in range(11)]
+    calls = []
+
+    def load_dataset(*args, **kwargs):
+        calls.append(args)
+        return datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=3)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    located = list(iter_located("org/name"))
+    assert [text for _, text in located] == texts
+    for index, (locator, _) in enumerate(located):
+        assert locator[0] == index
+        resumed = list(iter_located("org/name", None, json.loads(json.dumps(locator))))
+        assert [text for _, text in resumed] == texts[index:]
+        if len(resumed) > 2:  # a locator read after a resume resumes too
+            again = iter_located("org/name", None, json.loads(json.dumps(resumed[2][0])))
+            assert [text for _, text in again] == texts[index + 2:]
