@@ -55,6 +55,27 @@ def test_the_stream_computes_in_bf16_and_keeps_float32_residuals(llama_source):
     assert stream.hidden.dtype == torch.float32 and not torch.equal(stream.hidden, before)
 
 
+def test_bf16_statistics_are_near_the_float32_ones(llama_source):
+    """A bf16 stream's per-head moments (its layer forward, hence the probabilities and the normed inputs, in bf16;
+    the moments' products float32) stay within two percent of the float32 stream's (float32 is the exact path, whose
+    moments tests/convert/test_calibration.py checks against a direct computation)."""
+    from mha2mla.convert.calibration.measure import measure
+
+    ckpt = open_source(llama_source)
+    family = family_for_config(ckpt.config)
+    tokens = torch.randint(0, 384, (16, 48), generator=torch.Generator().manual_seed(5))
+    stats = {}
+    for dtype in ("float32", "bfloat16"):
+        plan = make_plan(ckpt.config, family, ConvertConfig(profile="exact", kv_budget=0.5, compute_dtype=dtype))
+        stream = CalibrationStream(SourceReader(ckpt, family, plan), tokens, device="cpu")
+        stats[dtype] = measure(stream.enter(0))
+    for name in ("value_covariances", "key_covariances"):
+        exact, bf16 = getattr(stats["float32"], name), getattr(stats["bfloat16"], name)
+        assert bf16.dtype == torch.float32
+        relative = ((bf16 - exact).norm() / exact.norm()).item()
+        assert 0 < relative < 2e-2, (name, relative)  # rounded, and only slightly
+
+
 def convert_with(folder, out, compute_dtype, **options):
     calib = out.parent / "calib.txt"  # random letters: held-out windows like the fitted ones
     if not calib.exists():
