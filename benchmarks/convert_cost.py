@@ -21,7 +21,7 @@ each phase timed exclusively (time spent in a phase called from another counts i
 - refit, reconstruction: the two fit steps; advance: both streams pushed through the layer;
 - layer read: the source layer's weights read for the stream; writing: tensors, metadata, card; other: the rest.
 
-Wall and CPU seconds (the process's, every thread's): on a machine other jobs share, the CPU ratio barely moves with
+Wall and CPU seconds (the process's, every thread's): on a machine other jobs share, the CPU ratio moves far less with
 their load. Peak memory of the conversion alone: VmHWM, reset after the floor (``/proc/self/clear_refs``).
 ``--quality`` adds the held-out perplexity of the converted model (mha2mla.evaluation.perplexity; for a
 ``--first-layers`` cut no quality figure, only a check that two runs agree). Prints the floor as a JSON line as soon
@@ -43,7 +43,7 @@ GIB = 1024**3
 
 
 def clocks() -> tuple[float, float]:
-    """(wall, CPU) seconds now: the process's CPU time, every thread's, barely moves with other jobs' load."""
+    """(wall, CPU) seconds now: the process's CPU time, every thread's, moves far less than wall time with other jobs' load."""
     return time.perf_counter(), time.process_time()
 
 
