@@ -9,8 +9,7 @@ debian_policy_mc (their items, scored as lm-eval scores them).
     OMP_NUM_THREADS=1 python benchmarks/heal.py run NAME --converted PATH [--no-data] -- \
         --full-layers --lr 3e-4 ...
     python benchmarks/heal.py score NAME [NAME ...] [--converted PATH ...] [--items N]   # JSON + Markdown table
-    python benchmarks/heal.py curve NAME --converted PATH     # the slices along a run's kept checkpoints
-    python benchmarks/heal.py mix --generated FOLDER          # teacher-generated + general text, taking turns
+    python benchmarks/heal.py curve NAME --converted PATH | mix --generated FOLDER  # along a run's checkpoints | mix
     python benchmarks/heal.py regions NAME [NAME ...] [--converted PATH ...] # × source along each text
 
 ``run`` passes everything after ``--`` to `mha2mla recover` (data, held-out curve slice, seq len 512 and the
@@ -209,17 +208,20 @@ def score(work: Path, names: list[str], converted: list[str], json_out: str | No
 
 def curve(work: Path, name: str, converted: str, json_out: str | None = None, num_tokens: int = CURVE_SCORE_TOKENS,
           every: int = 1, items: int | None = 0) -> None:
-    """The perplexities along run NAME: each checkpoint kept in WORK/NAME/checkpoints (``--keep-checkpoints N
-    --keep-checkpoints-after-run``) loaded over the converted model it started from; the last one (the run's end)
-    also on the first ``items`` items of the continuation tasks (0: none)."""
+    """The perplexities along run NAME: the converted model it started from, each checkpoint kept in
+    WORK/NAME/checkpoints (``--keep-checkpoints N --keep-checkpoints-after-run``) loaded over it, and the run's
+    output; the last of these also on the first ``items`` items of the continuation tasks (0: none)."""
     from safetensors.torch import load_file
 
     source = _source_scores(work, num_tokens, items)
     steps = [p for p in sorted((work / name / "checkpoints").glob("step-*")) if int(p.name[5:]) % every == 0]
+    points = [("0", converted, None), *((p.name[5:].lstrip("0"), converted, p / "trainable.safetensors") for p in steps)]
+    if (work / name / "model.safetensors").is_file():
+        points.append(("end", work / name, None))
     rows = []
-    for label, state in [("0", None), *((p.name.split("-")[1].lstrip("0"), p / "trainable.safetensors") for p in steps)]:
-        last = state is not None and state.parent == steps[-1]
-        scores = model_scores(converted, num_tokens, load_file(str(state)) if state else None, items if last else 0)
+    for index, (label, folder, state) in enumerate(points):  # the tasks on the last point only
+        scores = model_scores(folder, num_tokens, load_file(str(state)) if state else None,
+                              items if index == len(points) - 1 else 0)
         rows.append({"label": f"{name} step {label}", "scores": scores, "x_source": _ratios(scores, source)})
     harness.report("recovery-curve", {"run": name, "slice_tokens": num_tokens}, rows, json_out,
                    table=_table(rows, source, "checkpoint"), source_scores=source)
@@ -283,9 +285,7 @@ def main() -> None:
     elif args.step == "run":
         run(args.work, args.names[0], args.converted[0], extra, args.no_data)
     elif args.step == "mix":
-        if args.generated is None:
-            parser.error("mix takes --generated FOLDER")
-        mix(args.work, args.generated)
+        mix(args.work, args.generated) if args.generated else parser.error("mix takes --generated FOLDER")
     elif args.step == "curve":
         curve(args.work, args.names[0], args.converted[0], args.json_out, args.slice_tokens or CURVE_SCORE_TOKENS, args.every,
               args.items or 0)
