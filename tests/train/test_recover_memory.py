@@ -74,8 +74,8 @@ def test_the_estimate_is_within_20_percent_of_the_measured_peak(name, tmp_path):
     shape, run = SHAPES[name]
     model = _model(tmp_path / "model", shape)
     (tmp_path / "text").mkdir()
-    for name in ("a.txt", "b.txt"):  # the held-out rows are the first document's (whole documents are held out)
-        (tmp_path / "text" / name).write_text(SAMPLE_TEXT * 40)
+    for document in ("a.txt", "b.txt"):  # the held-out rows are the first document's (whole documents are held out)
+        (tmp_path / "text" / document).write_text(SAMPLE_TEXT * 40)
     settings = _settings(model, tmp_path / "out", tmp_path / "text", run)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
     result = subprocess.run([sys.executable, "-c", CHILD, json.dumps(settings)], env=env, capture_output=True,
