@@ -110,8 +110,10 @@ class RecoverConfig(BaseModel):
         "auto", description="what the forwards and backwards compute in: bfloat16 (autocast over float32 trainable and "
         "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, float32 on a CPU "
         "(where bf16 recovery has not been measured within 2% of float32: docs/benchmarks.md)")
-    activation_checkpointing: bool = Field(False, description="keep only each decoder layer's input and recompute the "
-                                           "rest in the backward pass: less memory for about one more forward per step")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="recompute activations in the backward pass instead of keeping them: selective keeps only "
+        "the matrix products' and attention's outputs (recomputes norms, casts, rotary, activations), full keeps only "
+        "each decoder layer's input (about one more forward per step); the same gradients (docs/recover.md, \"Memory\")")
     eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: start and end only)")
     save_every: int = Field(50, ge=0, description="steps between checkpoints (0: none)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept in OUT/checkpoints while the run trains")

@@ -66,6 +66,19 @@ class MemoryEstimate:
         return [*parts, f"  {'total':<12} {self.total / GIB:8.3f} GiB"]
 
 
+def selective_per_token(model_config: dict) -> int:
+    """Elements a selectively checkpointed layer keeps per token (mha2mla/modeling/checkpointing.py): its input and
+    the outputs of its matrix products (q, the latent with the rope key, the per-head keys and values, o_proj,
+    gate, up, down) and of the fused attention (padded to the query's head dim)."""
+    hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
+    nope, rope = model_config.get("qk_nope_head_dim", 0), model_config.get("qk_rope_head_dim", 0)
+    value = model_config.get("v_head_dim", nope + rope)
+    latent = model_config.get("kv_lora_rank") or 0
+    query = heads * (nope + rope)
+    return 2 * hidden + query + latent + rope + heads * (nope + value) + query + 2 * hidden + 2 * model_config[
+        "intermediate_size"]
+
+
 def saved_per_token(model_config: dict, config: RecoverConfig) -> int:
     """Elements autograd keeps per token in one decoder layer of a converted (DeepSeek-V3 MLA) model: the two
     RMSNorms' inputs and outputs (3 x hidden each), the attention's projections (q, the latent and its norm, the
@@ -98,7 +111,8 @@ def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, c
     layers = model_config["num_hidden_layers"]
     hidden, vocab = model_config["hidden_size"], model_config["vocab_size"]
     per_layer = saved_per_token(model_config, config)
-    kept = layers * hidden + per_layer if config.activation_checkpointing else layers * per_layer
+    kept = {"none": layers * per_layer, "full": layers * hidden + per_layer,
+            "selective": layers * selective_per_token(model_config) + per_layer}[config.activation_checkpointing]
     activations = tokens * (kept + per_layer + 4 * hidden) * compute_bytes
     teacher = 0
     if config.teacher is not None:

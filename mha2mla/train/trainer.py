@@ -11,6 +11,7 @@ import logging
 import torch
 from accelerate.utils import set_seed
 
+from mha2mla.modeling.checkpointing import enable_checkpointing
 from mha2mla.train import RunInterrupted
 from mha2mla.train.checkpoint import interrupted_sentence
 from mha2mla.train.config import RecoverConfig
@@ -45,8 +46,7 @@ def recover(config: RecoverConfig, resume: str | None = None, show_progress: boo
         set_seed(config.seed)  # before the LoRA weights are drawn
         student = build_student(config.model, plan.model_config, config.attn_implementation, torch.float32,
                                 devices.device.type, devices.compute_dtype)
-        if config.activation_checkpointing:  # non-reentrant torch.utils.checkpoint per decoder layer
-            student.activation_checkpointing_enable()
+        enable_checkpointing(student, config.activation_checkpointing)  # per decoder layer (modeling/checkpointing.py)
         student = make_trainable(student, config.adapter, layers=config.full_layers)
         if plan.saved is not None:  # before sharding: every process holds the whole model
             check_trainable_shapes(plan.resume_from, plan.saved["trainable"], student)

@@ -4,6 +4,8 @@ activation (it only recomputes them), through LoRA and full-layer training; a ru
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -40,11 +42,17 @@ def test_checkpointing_gives_the_same_losses_and_gradients(tiny_mla, lora):
 
 
 def test_checkpointing_is_not_an_outcome_setting_and_lowers_the_estimate(tiny_mla, tmp_path):
-    settings = {"model": str(tiny_mla), "data": ["corpus.txt"], "out": str(tmp_path), "max_steps": 2, "seq_len": 64,
-                "full_layers": True}
-    plain, checkpointed = RecoverConfig(**settings), RecoverConfig(**settings, activation_checkpointing=True)
-    assert plain.outcome_fields() == checkpointed.outcome_fields()
-    plain_estimate = estimate(plain, meta_counts(plain), plain.total_steps())
-    checkpointed_estimate = estimate(checkpointed, meta_counts(checkpointed), checkpointed.total_steps())
-    assert checkpointed_estimate.activations < plain_estimate.activations
-    assert checkpointed_estimate.weights == plain_estimate.weights
+    # eight layers: checkpointing pays once the layers kept outweigh the one recomputed at a time
+    model = tmp_path / "model"
+    model.mkdir()
+    model_config = json.loads((tiny_mla / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**model_config, "num_hidden_layers": 8}))
+    settings = {"model": str(model), "data": ["corpus.txt"], "out": str(tmp_path / "out"), "max_steps": 2,
+                "seq_len": 64, "full_layers": True}
+    plain = RecoverConfig(**settings)
+    selective, checkpointed = (RecoverConfig(**settings, activation_checkpointing=mode) for mode in ("selective", "full"))
+    assert plain.outcome_fields() == selective.outcome_fields() == checkpointed.outcome_fields()
+    plain_estimate, selective_estimate, checkpointed_estimate = (
+        estimate(config, meta_counts(config), config.total_steps()) for config in (plain, selective, checkpointed))
+    assert checkpointed_estimate.activations < selective_estimate.activations < plain_estimate.activations
+    assert checkpointed_estimate.weights == selective_estimate.weights == plain_estimate.weights

@@ -47,7 +47,11 @@ SHAPES = {
                      "intermediate_size": 1024}, {"full_layers": True, "seq_len": 256, "batch_size": 8}),
     "full layers, activation checkpointing": (
         {"hidden_size": 384, "num_heads": 6, "kv_lora_rank": 64, "num_layers": 4, "vocab_size": 16384,
-         "intermediate_size": 1024}, {"full_layers": True, "seq_len": 256, "batch_size": 8, "activation_checkpointing": True}),
+         "intermediate_size": 1024}, {"full_layers": True, "seq_len": 256, "batch_size": 8, "activation_checkpointing": "full"}),
+    "full layers, selective checkpointing": (
+        {"hidden_size": 384, "num_heads": 6, "kv_lora_rank": 64, "num_layers": 4, "vocab_size": 16384,
+         "intermediate_size": 1024}, {"full_layers": True, "seq_len": 256, "batch_size": 8,
+                                      "activation_checkpointing": "selective"}),
     "lora": ({"hidden_size": 512, "num_heads": 8, "kv_lora_rank": 96, "num_layers": 6, "vocab_size": 32768,
               "intermediate_size": 1536}, {"lora": {"rank": 16}, "seq_len": 256, "batch_size": 4}),
 }
