@@ -15,7 +15,8 @@ The rest is counted per process from what the run holds at its peak, a training 
   layer's input instead of the whole, and one layer recomputed;
 - logits: the lm_head losses' chunk temporaries (head_losses.py) plus the gradient of the final hidden states; under
   FSDP, whole logits (student, teacher, gradient) as ``logit_losses`` needs them;
-- data: the packed token rows (input ids and positions, int64).
+- data: the packed token rows (input ids and positions, int64): one shuffled block of a streamed ``--data``, every
+  row of teacher-generated text; and the held-out rows.
 
 The estimate is the sum; a run whose estimate exceeds the memory the device has free is refused in one sentence.
 It leaves out what the process holds before the run (torch, transformers, the tokenizer) and allocator slack.
@@ -34,6 +35,7 @@ import torch
 from mha2mla import UserError
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.losses import CHUNK_POSITIONS
+from mha2mla.train.stream import SHUFFLE_BLOCK_TOKENS
 from mha2mla.train.trainable import ParameterCounts, meta_counts
 
 log = logging.getLogger(__name__)
@@ -121,7 +123,10 @@ def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, c
     logits = chunk * vocab * 4 * CHUNK_COPIES[config.teacher is not None] + tokens * hidden * 4
     if sharded:  # whole logits: the student's and its gradient, and the teacher's
         logits += tokens * vocab * compute_bytes * (3 if config.teacher is not None else 2)
-    rows = total_steps * config.batch_size * config.grad_accum * world + config.eval_sequences
+    # --data is streamed (stream.py): one shuffled block of rows at a time; teacher-generated rows are all held
+    held = -(-SHUFFLE_BLOCK_TOKENS // config.seq_len) if config.data else total_steps * config.batch_size * \
+        config.grad_accum * world
+    rows = held + config.eval_sequences
     return MemoryEstimate(weights=total * 4 // split, gradients=trainable * 4 // split, optimizer=trainable * 8 // split,
                           teacher=teacher, activations=activations, logits=logits, data=rows * config.seq_len * 16)
 
