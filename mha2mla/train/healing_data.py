@@ -3,9 +3,8 @@
 A healed model has to work on text its users bring, not only on the text it trained on, so the default is general:
 real text from several domains that the unseen-domain yardstick does not read (``mha2mla.io.assets.GENERAL_TEXTS``:
 fiction, a programming textbook, software manuals; never the fortunes, the Debian Policy Manual or a dictionary),
-compared with teacher-generated text, the in-domain text and a mix on that yardstick (docs/benchmarks.md, "Healing").
-``DEFAULT_SOURCE`` names the winner (docs/benchmarks.md, "Healing"); a user who gives ``--data`` gets
-exactly that data and nothing from here.
+compared with the in-domain text and teacher-generated text on that yardstick (docs/benchmarks.md, "Healing"). A
+user who gives ``--data`` gets exactly that data and nothing from here.
 
 The documents are a pure function of the cached texts and the seed: each text is cut into documents at line ends
 (``mha2mla.io.assets.split_documents``), each text's documents are shuffled by a generator seeded from (seed, text
@@ -26,8 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mha2mla.io.assets import GENERAL_TEXTS, cached_general_text, general_text_path, split_documents
-
-DEFAULT_SOURCE = "general"  # the measured winner on the unseen-domain yardstick (docs/benchmarks.md, "Healing")
 
 
 def text_seed(seed: int, name: str) -> int:
@@ -99,5 +96,5 @@ def general_data_path(seed: int = 0) -> Path:
 
 
 def default_data(config) -> list[str]:
-    """The ``data`` a run given none trains on: the general healing text for its seed (DEFAULT_SOURCE)."""
+    """The ``data`` a run given none trains on: the general healing text for its seed."""
     return [str(general_data_path(config.seed))]
