@@ -12,7 +12,7 @@ source's (the cached GGUF, or ``--model``). Every measurement runs in a fresh pr
 
 - ``stream``: ``StreamRows.rows_at`` batch after batch until the corpus's first epoch ends (the large corpus keeps
   the data state of a block ``--resume-at`` of the way in, and a hash of every batch);
-- ``in-memory packing``: ``data.build_packed`` over the small corpus (the path before streaming; the large corpus
+- ``in-memory packing``: ``io.documents.iter_documents`` + ``data.pack_documents`` over the small corpus (the path before streaming; the large corpus
   would need its rows in memory, 16 bytes a token);
 - ``resume``: a fresh process loads that state and reads the next batch, checked equal to the first pass's;
 - side by side: the stream and the packing over a third, small corpus (``--ratio-tokens``) in turn, round after
@@ -122,10 +122,12 @@ def measure_stream(tokenizer, spec: dict) -> dict:
 
 def measure_packing(tokenizer, spec: dict) -> dict:
     """The path before streaming: the whole corpus read, tokenized and packed into memory at once."""
-    from mha2mla.train.data import build_packed
+    from mha2mla.io.documents import iter_documents
+    from mha2mla.train.data import pack_documents
 
     started = time.perf_counter()
-    packed = build_packed(tokenizer, [spec["corpus"]], spec["seq_len"], None)
+    documents = iter_documents(spec["corpus"], None)
+    packed = pack_documents(tokenizer, documents, spec["seq_len"], None, "corpus", [spec["corpus"]])
     return {"rows": len(packed), "tokens": len(packed) * spec["seq_len"], "seconds": time.perf_counter() - started}
 
 

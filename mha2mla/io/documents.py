@@ -114,20 +114,6 @@ def _located_in_file(path: Path, text_field: str | None, start: object) -> Itera
 # ------------------------------------------------------------------------------------------------ text and JSON
 
 
-def read_text(path: Path) -> str:
-    """The UTF-8 text of a file; bytes that are not UTF-8, or NUL bytes (binary data, UTF-16), are a UserError."""
-    data = path.read_bytes()
-    if data.startswith(codecs.BOM_UTF8):
-        data = data[len(codecs.BOM_UTF8) :]
-    nul = data.find(b"\x00")
-    if nul >= 0:
-        raise UserError(f"{path} is not UTF-8 text (NUL byte at offset {nul}); give a text file encoded as UTF-8.")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {error.start}); re-encode it as UTF-8.") from None
-
-
 def _decoded(path: Path, data: bytes, offset: int) -> str:
     """``data`` (read at byte ``offset`` of ``path``) as UTF-8; NUL bytes (binary data, UTF-16) or bytes that are not
     UTF-8 are a UserError naming the file offset."""

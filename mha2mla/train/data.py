@@ -11,8 +11,9 @@ document start (and at the start of every row, where a long document continues),
 
 The first token of every segment is never a prediction target (it would be predicted from another document).
 
-``--data`` is streamed with these rules (stream.py); here are the packing itself, the held-out rows of
-``--eval-data`` (``evaluation_rows``) and the training rows kept in memory (``MemoryRows``: teacher-generated text).
+``--data`` is streamed with these rules (stream.py); here are the tokenizing and packing themselves (of documents
+read by mha2mla.io.documents, which the callers open: nothing here reads a file), the held-out rows, and the
+training rows kept in memory (``MemoryRows``: teacher-generated text).
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
 from mha2mla import UserError
-from mha2mla.io.documents import iter_documents
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +103,20 @@ def tokenize_documents(tokenizer, documents: Iterable[str]) -> Iterator[list[int
         yield ids
 
 
-def build_packed(tokenizer, sources: list[str], seq_len: int, text_field: str | None = "text",
-                 max_rows: int | None = None, what: str = "training data") -> PackedSequences:
-    """Read (mha2mla.io.documents: files, folders, dataset ids), tokenize and pack ``sources``; a corpus that cannot
-    fill one row is a user error. ``text_field`` None picks the first of text/content/document/body per record."""
-    documents = chain.from_iterable(iter_documents(source, text_field) for source in sources)
+def tokenized(tokenizer, batch: list[tuple[object, str]]) -> list[tuple[object, list[int]]]:
+    """(locator, token ids followed by EOS) of each (locator, document), the documents encoded in one call: as
+    ``tokenize_documents``, no BOS or other special tokens."""
+    if not batch:
+        return []
+    encoded = tokenizer([text for _, text in batch], add_special_tokens=False, verbose=False)["input_ids"]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return [(where, ids + eos) for (where, _), ids in zip(batch, encoded)]
+
+
+def pack_documents(tokenizer, documents: Iterable[str], seq_len: int, max_rows: int | None, what: str,
+                   sources: list[str]) -> PackedSequences:
+    """Tokenize and pack ``documents`` (read from ``sources``) into at most ``max_rows`` rows; text that cannot fill
+    one row is a user error."""
     packed = pack_token_lists(tokenize_documents(tokenizer, documents), seq_len, max_rows)
     if len(packed) == 0:
         raise UserError(
@@ -117,6 +125,29 @@ def build_packed(tokenizer, sources: list[str], seq_len: int, text_field: str | 
         )
     log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)
     return packed
+
+
+def pack_held_out(located: Iterable[tuple[int, object, str]], tokenizer, seq_len: int, count: int,
+                  sources: list[str]) -> tuple[PackedSequences, tuple[int, object]]:
+    """The first ``count`` rows packed from ``located`` documents (unit index, locator, text), and (unit index,
+    locator) of the first document that gave them no token: where training starts."""
+    last: list[tuple[int, object]] = []
+
+    def documents():
+        for index, where, text in located:
+            last[:] = [(index, where)]
+            yield tokenized(tokenizer, [(where, text)])[0][1]
+
+    packed = pack_token_lists(documents(), seq_len, count)
+    if len(packed) == 0:
+        raise UserError(f"the training data ({', '.join(sources)}) has {packed.dropped_tokens} tokens, fewer than one "
+                        f"packed sequence of {seq_len}; give more text or a smaller --seq-len.")
+    if len(packed) < count or not packed.unread:  # pack_token_lists looked at one document past the rows
+        raise UserError(
+            f"the training data fills only {len(packed)} sequences of {seq_len} tokens, not enough to hold out "
+            f"{count} for evaluation and train on the rest; give more text, --eval-data, or a smaller --eval-sequences."
+        )
+    return packed, last[0]
 
 
 def target_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -171,10 +202,3 @@ class MemoryRows:
         if state != self.state_dict():
             raise UserError(f"the checkpoint's data position ({state}) is not for these training rows "
                             f"({self.state_dict()}); resume with the settings and text the run started with.")
-
-
-def evaluation_rows(config, tokenizer) -> PackedSequences:
-    """The held-out rows of ``eval_data``: its first ``eval_sequences`` packed rows (all of them for 0)."""
-    return build_packed(
-        tokenizer, config.eval_data, config.seq_len, config.text_field, config.eval_sequences or None, "evaluation data"
-    )

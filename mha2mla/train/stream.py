@@ -25,12 +25,13 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from itertools import chain
 
 import torch
 
 from mha2mla import UserError
-from mha2mla.io.documents import is_local, iter_located, units
-from mha2mla.train.data import PackedSequences, evaluation_rows, pack_token_lists
+from mha2mla.io.documents import is_local, iter_documents, iter_located, units
+from mha2mla.train.data import PackedSequences, pack_documents, pack_held_out, pack_token_lists, tokenized
 
 log = logging.getLogger(__name__)
 
@@ -199,53 +200,24 @@ class StreamRows:
                 skip = 0
 
 
-def tokenized(tokenizer, batch: list[tuple[object, str]]) -> list[tuple[object, list[int]]]:
-    """(locator, token ids followed by EOS) of each (locator, document): no BOS or other special tokens, as
-    data.tokenize_documents, the documents encoded in one call."""
-    if not batch:
-        return []
-    encoded = tokenizer([text for _, text in batch], add_special_tokens=False, verbose=False)["input_ids"]
-    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    return [(where, ids + eos) for (where, _), ids in zip(batch, encoded)]
-
-
 # ---------------------------------------------------------------------------------------------- a run's rows
 
 
-def held_out_rows(unit_names: list[str], tokenizer, seq_len: int, count: int, text_field: str | None = None,
-                  ) -> tuple[PackedSequences, tuple[int, object]]:
-    """The first ``count`` rows packed from the units in their given order, and (unit index, locator) of the first
-    document that gave them no token: where training starts."""
-    last: list[tuple[int, object]] = []
-
-    def documents():
-        for index, name in enumerate(unit_names):
-            for located in iter_located(name, text_field):
-                last[:] = [(index, located[0])]
-                yield tokenized(tokenizer, [located])[0][1]
-
-    packed = pack_token_lists(documents(), seq_len, count)
-    if len(packed) == 0:
-        raise UserError(f"the training data ({', '.join(unit_names)}) has {packed.dropped_tokens} tokens, fewer than one "
-                        f"packed sequence of {seq_len}; give more text or a smaller --seq-len.")
-    if len(packed) < count or not packed.unread:  # pack_token_lists looked at one document past the rows
-        raise UserError(
-            f"the training data fills only {len(packed)} sequences of {seq_len} tokens, not enough to hold out "
-            f"{count} for evaluation and train on the rest; give more text, --eval-data, or a smaller --eval-sequences."
-        )
-    return packed, last[0]
-
-
 def prepare_stream(config, tokenizer, rows_needed: int) -> tuple[StreamRows, PackedSequences | None]:
-    """A run's streamed training rows of ``data`` and its held-out rows: ``eval_data``'s (data.evaluation_rows), or
-    the training text's first ``eval_sequences`` rows, or None. The first block is read now, so a corpus too short
-    for one row, or a first file that cannot be read, is refused before the run starts."""
+    """A run's streamed training rows of ``data`` and its held-out rows: ``eval_data``'s first ``eval_sequences``
+    rows (all of them for 0), or the training text's first ``eval_sequences`` rows, or None. Everything is read
+    first (mha2mla.io.documents), then packed (data.py); the first block is read now, so a corpus too short for one
+    row, or a first file that cannot be read, is refused before the run starts."""
     names = [name for source in config.data for name in units(source)]
+    evaluation = chain.from_iterable(iter_documents(source, config.text_field) for source in config.eval_data or [])
+    located = ((index, where, text) for index, name in enumerate(names)
+               for where, text in iter_located(name, config.text_field))
     held_out, start = None, (0, None)
     if config.eval_data:
-        held_out = evaluation_rows(config, tokenizer)
+        held_out = pack_documents(tokenizer, evaluation, config.seq_len, config.eval_sequences or None,
+                                  "evaluation data", config.eval_data)
     elif config.eval_sequences:
-        held_out, start = held_out_rows(names, tokenizer, config.seq_len, config.eval_sequences, config.text_field)
+        held_out, start = pack_held_out(located, tokenizer, config.seq_len, config.eval_sequences, names)
     rows = StreamRows(names, tokenizer, config.seq_len, config.seed, config.text_field, start)
     rows.rows_at([0], 1)
     log.info("training data: %d files or datasets streamed in a seeded order per epoch, rows shuffled in blocks of %d; "

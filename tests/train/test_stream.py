@@ -120,7 +120,7 @@ def test_a_resumed_stream_reads_the_exact_next_row(tmp_path, kind, monkeypatch):
         opened = []
         real = stream_module.iter_located
 
-        def recording(unit, text_field=None, start=None, real=real):
+        def recording(unit, text_field=None, start=None, real=real, opened=opened):
             opened.append(start)
             return real(unit, text_field, start)
 
@@ -153,7 +153,7 @@ def _config(names, **settings) -> RecoverConfig:
 
 @pytest.mark.parametrize("kind", ["jsonl", "folder"])
 def test_held_out_rows_are_never_trained_on(tmp_path, kind):
-    names = _corpus(tmp_path, kind)
+    _corpus(tmp_path, kind)
     spec = str(tmp_path / ("docs.jsonl" if kind == "jsonl" else "corpus"))
     train, held_out = prepare_stream(_config([spec]), CharTokenizer(), rows_needed=50)
     assert held_out.input_ids.shape == (3, SEQ_LEN)
