@@ -23,7 +23,7 @@ FLAGS = Flags(
               "temperature", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",
               "keep_checkpoints_after_run",
               "attn_implementation", "compute_dtype", "activation_checkpointing", "text_field", "seed",
-              "generated_temperature", "generated_top_p"),
+              "default_data", "generated_temperature", "generated_top_p"),
     arguments=("model",),
     names={"learning_rate": ("--lr",), "lora.train_norms": ("--train-norms",)},
 )

@@ -61,7 +61,7 @@ class RecoverConfig(BaseModel):
 
     model: str = Field(description="converted DeepSeek-V3 MLA folder (output of `mha2mla convert`)")
     data: list[str] | None = Field(None, description="training text: .txt/.jsonl/.parquet file, a folder of them, or a "
-                                   "Hugging Face dataset id (name or name@split); none: text the --teacher generates")
+                                   "Hugging Face dataset id (name or name@split); none: the default healing text (default_data)")
     out: str = Field(description="output folder: checkpoints (OUT/checkpoints) during the run, the recovered model at "
                      "the end")
     teacher: str | None = Field(None, description="source model (HF folder or .gguf) to distil from")
@@ -71,6 +71,9 @@ class RecoverConfig(BaseModel):
     seq_len: int = Field(512, ge=8, description="packed sequence length in tokens")
     text_field: str = Field("text", description="field holding the text in .jsonl/.parquet files and datasets")
     eval_sequences: int = Field(8, ge=0, description="packed sequences used for held-out perplexity (0: no evaluation)")
+    default_data: Literal["general", "generated"] = Field(
+        "general", description="training text when there is no --data: general (real text of several domains, "
+        "built by `make assets`) or generated (text the --teacher writes); docs/recover.md, \"No dataset\"")
     seed: int = Field(0, description="seed of the LoRA initialisation, of the row order and of generated text")
     generated_temperature: float = Field(1.0, gt=0, description="sampling temperature of the text the teacher "
                                          "generates when there is no --data")
@@ -138,8 +141,8 @@ class RecoverConfig(BaseModel):
     def _check(self) -> RecoverConfig:
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("give --max-steps or --max-tokens (max_steps or max_tokens in a recipe)")
-        if not self.data and self.teacher is None:
-            raise ValueError("give --data, or --teacher to distil on text the teacher generates")
+        if not self.data and self.default_data == "generated" and self.teacher is None:
+            raise ValueError("give --teacher to train on the text it generates (default_data generated), or --data")
         return self
 
     @property

@@ -85,7 +85,8 @@ def test_a_killed_generation_resumes_with_the_missing_chunks_only(teacher, tmp_p
 def _config(model: Path, teacher: Path, out: Path, **overrides) -> RecoverConfig:
     settings = {"model": str(model), "teacher": str(teacher), "out": str(out), "seq_len": 32, "batch_size": 4,
                 "max_steps": 20, "learning_rate": 1e-2, "lora": {"rank": 8}, "eval_sequences": 4, "eval_every": 0,
-                "save_every": 0, "generated_temperature": 0.3}  # a peaked text: the tiny student learns it fast
+                "save_every": 0, "generated_temperature": 0.3,  # a peaked text: the tiny student learns it fast
+                "default_data": "generated"}
     return RecoverConfig(**{**settings, **overrides})
 
 
@@ -122,15 +123,16 @@ def test_a_resumed_run_without_data_reads_the_same_text(tiny_mla, teacher_folder
     assert resumed["losses"] == pytest.approx(report["losses"], rel=1e-6)
 
 
-def test_neither_data_nor_teacher_is_one_sentence(tiny_mla, tmp_path, capsys):
+def test_generated_text_without_a_teacher_is_one_sentence(tiny_mla, tmp_path, capsys):
     out = tmp_path / "out"
-    code, _, err = run_cli(["recover", tiny_mla, "--out", out, "--max-steps", "2", "--no-progress"], capsys)
+    code, _, err = run_cli(["recover", tiny_mla, "--out", out, "--max-steps", "2", "--no-progress", "--default-data",
+                            "generated"], capsys)
     assert code == 2
     message = err.strip().splitlines()
-    assert message == ["error: give --data, or --teacher to distil on text the teacher generates."], err
+    assert message == ["error: give --teacher to train on the text it generates (default_data generated), or --data."], err
     assert not out.exists()
-    with pytest.raises(ValueError, match="give --data, or --teacher"):
-        RecoverConfig(model=str(tiny_mla), out=str(out), max_steps=2, data=[])
+    with pytest.raises(ValueError, match="give --teacher to train on the text it generates"):
+        RecoverConfig(model=str(tiny_mla), out=str(out), max_steps=2, data=[], default_data="generated")
 
 
 def test_sampling_flags_reach_the_settings(tiny_mla, tmp_path, capsys):

@@ -12,8 +12,14 @@ import torch
 from mha2mla import UserError
 from mha2mla.io.assets import GENERAL_TEXTS, general_text_path, split_documents
 from mha2mla.train.data import PackedSequences
-from mha2mla.train.healing_data import (default_data, general_data_path, general_documents, generated_documents,
-                                        mixed_documents, take_turns)
+from mha2mla.train.healing_data import (
+    default_data,
+    general_data_path,
+    general_documents,
+    generated_documents,
+    mixed_documents,
+    take_turns,
+)
 
 
 def _texts(counts: dict[str, int]) -> dict[str, str]:
@@ -82,3 +88,21 @@ def test_generated_rows_become_documents_cut_at_every_eos():
     ids = torch.tensor([[1, 5, 6, 0, 7, 0], [1, 0, 0, 8, 9, 9]])  # the start token, then sampled tokens
     rows = PackedSequences(ids, torch.zeros_like(ids), 2, 0)
     assert generated_documents(rows, _Tokenizer()) == ["w5 w6", "w7", "w8 w9 w9"]
+
+
+def test_a_run_given_no_data_trains_on_the_general_text(tmp_path, monkeypatch):
+    from common import tiny_tokenizer
+
+    from mha2mla.train.config import RecoverConfig
+    from mha2mla.train.generated import prepare_rows
+    from mha2mla.train.stream import prepare_stream
+
+    monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path))
+    _write_general(tmp_path)
+    tokenizer = tiny_tokenizer()
+    config = RecoverConfig(model="m", out=str(tmp_path / "out"), max_tokens=4096, seq_len=64, seed=3)
+    rows, held_out = prepare_rows(config, tokenizer, 16)
+    explicit = config.model_copy(update={"data": [str(general_data_path(3))]})
+    same_rows, same_held_out = prepare_stream(explicit, tokenizer, 16)
+    assert torch.equal(held_out.input_ids, same_held_out.input_ids)
+    assert torch.equal(rows.rows_at([0], 16)["input_ids"], same_rows.rows_at([0], 16)["input_ids"])
