@@ -113,16 +113,19 @@ def tokenized(tokenizer, batch: list[tuple[object, str]]) -> list[tuple[object, 
     return [(where, ids + eos) for (where, _), ids in zip(batch, encoded)]
 
 
+def _check_one_row(packed: PackedSequences, what: str, sources: list[str], seq_len: int) -> None:
+    """Text that cannot fill one packed row is a user error."""
+    if len(packed) == 0:
+        raise UserError(f"the {what} ({', '.join(sources)}) has {packed.dropped_tokens} tokens, fewer than one packed "
+                        f"sequence of {seq_len}; give more text or a smaller --seq-len.")
+
+
 def pack_documents(tokenizer, documents: Iterable[str], seq_len: int, max_rows: int | None, what: str,
                    sources: list[str]) -> PackedSequences:
     """Tokenize and pack ``documents`` (read from ``sources``) into at most ``max_rows`` rows; text that cannot fill
     one row is a user error."""
     packed = pack_token_lists(tokenize_documents(tokenizer, documents), seq_len, max_rows)
-    if len(packed) == 0:
-        raise UserError(
-            f"the {what} ({', '.join(sources)}) has {packed.dropped_tokens} tokens, fewer than one packed sequence "
-            f"of {seq_len}; give more text or a smaller --seq-len."
-        )
+    _check_one_row(packed, what, sources, seq_len)
     log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)
     return packed
 
@@ -139,9 +142,7 @@ def pack_held_out(located: Iterable[tuple[int, object, str]], tokenizer, seq_len
             yield tokenized(tokenizer, [(where, text)])[0][1]
 
     packed = pack_token_lists(documents(), seq_len, count)
-    if len(packed) == 0:
-        raise UserError(f"the training data ({', '.join(sources)}) has {packed.dropped_tokens} tokens, fewer than one "
-                        f"packed sequence of {seq_len}; give more text or a smaller --seq-len.")
+    _check_one_row(packed, "training data", sources, seq_len)
     if len(packed) < count or not packed.unread:  # pack_token_lists looked at one document past the rows
         raise UserError(
             f"the training data fills only {len(packed)} sequences of {seq_len} tokens, not enough to hold out "

@@ -68,15 +68,19 @@ class MemoryEstimate:
         return [*parts, f"  {'total':<12} {self.total / GIB:8.3f} GiB"]
 
 
+def _widths(model_config: dict) -> tuple[int, int, int, int, int, int, int]:
+    """hidden, heads, qk_nope, qk_rope, v_head and kv_lora_rank dims, and heads x (nope + rope), of an MLA config."""
+    hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
+    nope, rope = model_config.get("qk_nope_head_dim", 0), model_config.get("qk_rope_head_dim", 0)
+    value = model_config.get("v_head_dim", nope + rope)
+    return hidden, heads, nope, rope, value, model_config.get("kv_lora_rank") or 0, heads * (nope + rope)
+
+
 def selective_per_token(model_config: dict) -> int:
     """Elements a selectively checkpointed layer keeps per token (mha2mla/modeling/checkpointing.py): its input and
     the outputs of its matrix products (q, the latent with the rope key, the per-head keys and values, o_proj,
     gate, up, down) and of the fused attention (padded to the query's head dim)."""
-    hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
-    nope, rope = model_config.get("qk_nope_head_dim", 0), model_config.get("qk_rope_head_dim", 0)
-    value = model_config.get("v_head_dim", nope + rope)
-    latent = model_config.get("kv_lora_rank") or 0
-    query = heads * (nope + rope)
+    hidden, heads, nope, rope, value, latent, query = _widths(model_config)
     return 2 * hidden + query + latent + rope + heads * (nope + value) + query + 2 * hidden + 2 * model_config[
         "intermediate_size"]
 
@@ -87,13 +91,8 @@ def saved_per_token(model_config: dict, config: RecoverConfig) -> int:
     per-head keys and values, the rotary copies, the padded value and the attention output SDPA saves) and the
     MLP's gate, up, activation and product (the product only when the MLP trains: a frozen down projection keeps
     no input); LoRA adds its rank per adapted projection."""
-    hidden = model_config["hidden_size"]
-    heads = model_config["num_attention_heads"]
-    nope, rope = model_config.get("qk_nope_head_dim", 0), model_config.get("qk_rope_head_dim", 0)
-    value = model_config.get("v_head_dim", nope + rope)
-    latent = model_config.get("kv_lora_rank") or 0
+    hidden, heads, nope, rope, value, latent, query = _widths(model_config)
     intermediate = model_config["intermediate_size"]
-    query = heads * (nope + rope)
     norms = 2 * 3 * hidden
     attention = 5 * query + heads * (nope + value) + heads * value + 3 * latent + 2 * rope
     mlp = (4 if config.full_layers else 3) * intermediate
