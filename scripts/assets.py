@@ -13,6 +13,9 @@
   Git's manuals (``git-doc``), each with its ``.source.json``, and the default healing text made from them
   (``mha2mla.train.healing_data.general_data_path``).
 
+Every Debian package is fetched at the version the figures were measured with (``PINNED``), and the scored texts are
+checked against their sha256 (``TEXT_SHA256``): a security update of a documentation package changes its text.
+
 The files land where the library reads them (``mha2mla.io.cache``: ``$MHA2MLA_CACHE``, else this checkout's
 ``.cache``). Every fetch is skipped when its file exists and writes through a temporary name. This is an entry point:
 nothing imports it; the library, tests and benchmarks read the cache through ``mha2mla.io.cache`` and
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -82,8 +86,37 @@ def default_model_gguf() -> Path:
     return target
 
 
+# The Debian package versions the texts were measured with (docs/benchmarks.md). A later version changes its text
+# (python3.11-doc's deb12u9 security update moved the Python docs' held-out slice: source perplexity 12.752 -> 12.767),
+# and with it every figure scored on it; a pinned version the registry no longer has falls back to its current one,
+# with a warning.
+PINNED = {
+    "bible-kjv-text": "4.38", "bible-kjv": "4.38", "python3.11-doc": "3.11.2-6+deb12u8",
+    "fortunes": "1:1.99.1-7.3", "debian-policy": "4.6.2.0",
+    "r-cran-janeaustenr": "1.0.0-1", "c++-annotations-txt": "12.2.0-2", "git-doc": "1:2.39.5-0+deb12u3",
+}
+# The scored texts' sha256 as the pinned packages give them: a cached text that differs is reported by `main`.
+TEXT_SHA256 = {
+    "kjv": "b5c4940bcfeee072c0935b5200d0f9d88a00a0199cb0961d16133458fcdfae5d",
+    "python_docs": "d7c0c2667a99b4803078d32795779779135f46eda7acd638eb151f4f87744d6b",
+    "fortunes": "9a4be1a573245207d7de8d6da6389d09ed9c51d9dfe5cc85a2df74e2bd7f3cfb",
+    "debian_policy": "e5aeddffb96363b2aadb155d32b63f788303b67ad702e3a53a875e7b6218c21a",
+}
+
+
+def _apt_download(spec: str, cwd: Path) -> bool:
+    """``apt-get download SPEC`` into ``cwd``, once more after refreshing the package lists; True when it worked."""
+    for attempt in range(2):
+        if subprocess.run(["apt-get", "download", "-q", spec], cwd=cwd, capture_output=True).returncode == 0:
+            return True
+        if attempt == 0:  # package lists may be missing or stale on a fresh machine
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+    return False
+
+
 def _apt_extract(package: str, dest: Path) -> str:
-    """Download one Debian package (no install) and extract it into ``dest``; return the version fetched."""
+    """Download one Debian package at its pinned version (no install) and extract it into ``dest``; return the
+    version fetched."""
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         raise AssetError(
             f"the held-out texts come from the Debian package {package}, which needs apt-get and dpkg-deb; "
@@ -91,14 +124,20 @@ def _apt_extract(package: str, dest: Path) -> str:
         )
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        result = subprocess.run(["apt-get", "download", "-q", package], cwd=tmp, capture_output=True, text=True)
-        if result.returncode != 0:  # package lists may be missing on a fresh machine
-            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+        pinned = f"{package}={PINNED[package]}"
+        if not _apt_download(pinned, Path(tmp)):
+            print(f"warning: the registry has no {pinned}; fetching its current version, whose text may differ "
+                  "from the one docs/benchmarks.md was measured on.", file=sys.stderr)
             _run(["apt-get", "download", "-q", package], Path(tmp))
         deb = glob.glob(os.path.join(tmp, "*.deb"))[0]
         _run(["dpkg-deb", "-x", deb, str(dest)], Path(tmp))
         version = subprocess.run(["dpkg-deb", "-f", deb, "Version"], capture_output=True, text=True)
         return version.stdout.strip()
+
+
+def text_differs(name: str, path: Path) -> bool:
+    """Whether a cached scored text differs from the one the pinned packages give."""
+    return name in TEXT_SHA256 and hashlib.sha256(path.read_bytes()).hexdigest() != TEXT_SHA256[name]
 
 
 def kjv_text_path() -> Path:
@@ -262,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             continue
         print(f"{key}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
+        if text_differs(key, path):
+            print(f"{key}: warning: {path} is not the text of the pinned package (an older fetch, or a newer package): "
+                  "figures scored on it will not match docs/benchmarks.md; delete it and run `make assets` again.",
+                  file=sys.stderr)
     return 1 if failed else 0
 
 
