@@ -174,7 +174,7 @@ def conversion(source: Path, options, work: str | None, quality: bool, windows: 
     phases["other"] = round(wall - sum(clock.seconds.values()), 2)
     cpu_phases = {name: round(seconds, 2) for name, seconds in clock.cpu_seconds.items()}
     cpu_phases["other"] = round(cpu - sum(clock.cpu_seconds.values()), 2)
-    layers = result.report["layers"]
+    layers = result.report.layers
     return {"seconds": round(wall, 2), "phases": phases, "cpu_seconds": round(cpu, 2), "cpu_phases": cpu_phases,
             "peak_rss_gib": round(peak / GIB, 3),
             "reconstruction_steps": sum(layer.get("reconstruction_steps", 0) for layer in layers),

@@ -68,13 +68,13 @@ def run_one(source: Path, budget: float, rope_dim: int | None, method: str, prof
         result = convert(source, Path(tmp) / "out", options, progress=False, command="benchmarks/quality.py")
         seconds = time.time() - started
         perplexity = harness.perplexities(Path(tmp) / "out", args.slices, args.windows * 512)
-    layers = result.report["layers"]
+    layers = result.report.layers
     return {
         "budget": budget, "method": method, "profile": profile,
         "rope_dim": result.plan.rope_dim, "kv_lora_rank": result.plan.kv_lora_rank, "rope_pairs": list(result.plan.rope_pairs),
         "calib_samples": None if result.plan.calibration is None else result.plan.calibration.samples,
         "values_per_token_per_layer": result.plan.rope_dim + result.plan.kv_lora_rank,
-        "methods": result.report["methods"], "convert_seconds": round(seconds, 1),
+        "methods": result.report.methods, "convert_seconds": round(seconds, 1),
         "compute_dtype": result.plan.compute_dtype,
         "layer_seconds": round(sum(l["seconds"] for l in layers), 1),
         "reconstruction_seconds": round(sum(l.get("reconstruction_seconds", 0.0) for l in layers), 1),

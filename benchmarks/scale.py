@@ -304,6 +304,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     import shutil
 
+    from mha2mla.io.model_folder import read_conversion_report
+
     args = parse_args(argv)
     work = Path(args.work)
     threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -314,16 +316,16 @@ def main(argv=None) -> int:
         for mode, compute_dtype in runs:
             out = work / f"{name}-{args.layers}l-{mode}-out"
             watch, code, max_rss = run_conversion(convert_command(source, out, mode, args, compute_dtype or "auto"), args)
-            report = json.loads((out / "conversion_report.json").read_text()) if (out / "conversion_report.json").is_file() else {}
+            report = read_conversion_report(out)  # None when the conversion did not finish
             for leftover in [out, *work.glob(f".{out.name}*")]:  # the output, or what a killed run staged
                 shutil.rmtree(leftover, ignore_errors=True)
             row = summarise(name, mode, args.layers, watch, code, max_rss)
             row.update(vocab=args.vocab, dtype=args.dtype, kv_budget=args.kv_budget, threads=threads, compute_dtype=compute_dtype,
                        calib_samples=args.calib_samples if mode != "weight-only" else None)
-            if report:  # the conversion's own figures: seconds per layer, GPU peak when calibrated on one
-                row["report_layer_seconds"] = [layer.get("seconds") for layer in report.get("layers", [])]
-                if "peak_gpu_gib" in report:
-                    row["peak_gpu_gib"] = report["peak_gpu_gib"]
+            if report is not None:  # the conversion's own figures: seconds per layer, GPU peak when calibrated on one
+                row["report_layer_seconds"] = [layer.get("seconds") for layer in report.layers]
+                if report.peak_gpu_gib is not None:
+                    row["peak_gpu_gib"] = report.peak_gpu_gib
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

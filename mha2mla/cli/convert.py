@@ -63,11 +63,10 @@ def convert_command(
     if dry_run:
         typer.echo("dry run: nothing written.")
         return
-    layers = result.report["layers"]
-    mean_k = sum(layer["k_rel_error"] for layer in layers) / len(layers)
-    mean_v = sum(layer["v_rel_error"] for layer in layers) / len(layers)
+    report = result.report
+    mean_k, mean_v = report.mean_errors()
     typer.echo(f"mean relative reconstruction error: K {mean_k:.4f}, V {mean_v:.4f}")
-    typer.echo(f"wrote {out} in {result.report['elapsed_seconds']:.1f} s (peak RSS {result.report['peak_rss_gib']:.2f} GiB)")
+    typer.echo(f"wrote {out} in {report.elapsed_seconds:.1f} s (peak RSS {report.peak_rss_gib:.2f} GiB)")
 
 
 def register(app: typer.Typer) -> None:

@@ -39,7 +39,7 @@ from mha2mla.convert.steps.records import LayerStatistics, LayerWork
 from mha2mla.devices import check_device
 from mha2mla.families import family_for_config
 from mha2mla.io.card import write_model_card
-from mha2mla.io.model_folder import CONVERSION_REPORT
+from mha2mla.io.model_folder import ConversionReport, write_conversion_report
 from mha2mla.io.output import check_destination, check_replaceable, staged_output
 from mha2mla.io.source import open_source
 from mha2mla.io.writer import ShardedWriter
@@ -56,7 +56,7 @@ TOKENIZER_FILES = (
 class ConversionResult:
     out: Path | None
     plan: ConversionPlan
-    report: dict
+    report: ConversionReport | None  # None on a dry run
 
 
 def peak_rss_bytes() -> int:
@@ -104,21 +104,20 @@ def convert(
     plan = make_plan(ckpt.config, family, options,
                      source_format="gguf" if str(source).lower().endswith(".gguf") else "safetensors")
     if dry_run or out is None:
-        return ConversionResult(out=None, plan=plan, report={"plan": plan.to_dict()})
+        return ConversionResult(out=None, plan=plan, report=None)
     reader = SourceReader(ckpt, family, plan)
     stream = calibration_stream(reader) if plan.calibrated else None
 
     with staged_output(out, force=force) as tmp:  # swapped into OUT only once everything is written
         report = _write_checkpoint(reader, tmp, stream, progress)
-        report.update(
-            source=str(source), command=command or _command_line(), mha2mla_version=__version__,
-            options=options.model_dump(), elapsed_seconds=round(time.time() - started, 2),
-            peak_rss_gib=round(peak_rss_bytes() / 1024**3, 3),
-        )
+        report.source, report.command = str(source), command or _command_line()
+        report.mha2mla_version, report.options = __version__, options.model_dump()
+        report.elapsed_seconds = round(time.time() - started, 2)
+        report.peak_rss_gib = round(peak_rss_bytes() / 1024**3, 3)
         if stream is not None and stream.device.type == "cuda":
-            report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(stream.device) / 1024**3, 3)
-        (tmp / CONVERSION_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        write_model_card(tmp, report, serving_sections(report["plan"]))
+            report.peak_gpu_gib = round(torch.cuda.max_memory_allocated(stream.device) / 1024**3, 3)
+        write_conversion_report(tmp, report)
+        write_model_card(tmp, report, serving_sections(report.plan))
     return ConversionResult(out=out, plan=plan, report=report)
 
 
@@ -137,7 +136,8 @@ def _convert_layer(reader: SourceReader, layer: int, stream: CalibrationStream |
     return work
 
 
-def _write_checkpoint(reader: SourceReader, folder: Path, stream: CalibrationStream | None, progress: bool) -> dict:
+def _write_checkpoint(reader: SourceReader, folder: Path, stream: CalibrationStream | None,
+                      progress: bool) -> ConversionReport:
     plan, ckpt = reader.plan, reader.ckpt
     writer = ShardedWriter(folder, max_shard_bytes=plan.max_shard_size, dtype=plan.torch_dtype)
     writer.add("model.embed_tokens.weight", reader.embed())
@@ -165,17 +165,12 @@ def _write_checkpoint(reader: SourceReader, folder: Path, stream: CalibrationStr
     if dropped:
         log.warning("portable profile: source biases %s cannot be carried exactly and were dropped "
                     "(use --profile exact to keep them, or recover to heal).", sorted(dropped))
-    return {
-        "family": plan.family,
-        "profile": plan.profile,
-        "plan": plan.to_dict(),
-        "kv_bytes_per_token": plan.kv_bytes_per_token(),
-        "initialisation": plan.method_summary(),
-        "methods": plan.methods.to_dict(),
-        "dropped_biases": sorted(dropped),
-        "portable_check": "passed" if plan.profile == "portable" else "not applicable (exact profile)",
-        "layers": layers,
-    }
+    return ConversionReport(
+        layers=layers, family=plan.family, profile=plan.profile, plan=plan.to_dict(),
+        kv_bytes_per_token=plan.kv_bytes_per_token(), initialisation=plan.method_summary(),
+        methods=plan.methods.to_dict(), dropped_biases=sorted(dropped),
+        portable_check="passed" if plan.profile == "portable" else "not applicable (exact profile)",
+    )
 
 
 def _write_metadata(ckpt, plan: ConversionPlan, folder: Path, kv_b_weights: dict) -> None:

@@ -63,14 +63,15 @@ def measure(model, tokenizer, prompt_tokens: int = PROMPT_TOKENS) -> dict:
 
 
 def read_conversion_report(path: str | Path) -> dict | None:
-    """The conversion report next to a converted checkpoint with its per-layer list, or None (absent or unreadable)."""
+    """The conversion report next to a converted checkpoint, as the dict the results carry, or None (absent or
+    unreadable: a warning then)."""
     if not (Path(path) / CONVERSION_REPORT).is_file():
         return None
     report = model_folder.read_conversion_report(path)
-    if report is None or not isinstance(report.get("layers"), list):
+    if report is None:
         log.warning("ignoring %s: unreadable or without a list of layers", Path(path) / CONVERSION_REPORT)
         return None
-    return report
+    return report.to_dict()
 
 
 def evaluate_loaded(loaded: LoadedModel, tasks: list[str], config: EvalConfig, role: str = "model", manager=None,

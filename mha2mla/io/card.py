@@ -15,6 +15,7 @@ import yaml
 from huggingface_hub import try_to_load_from_cache
 
 from mha2mla.io.cache import DEFAULT_MODEL_FILE, DEFAULT_MODEL_REPO
+from mha2mla.io.model_folder import ConversionReport
 
 HUB_URL = re.compile(r"^https?://(?:huggingface\.co|hf\.co)/(?P<repo>[\w.-]+/[\w.-]+)")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -92,20 +93,18 @@ def _source_line(meta: dict) -> str:
     return described
 
 
-def write_model_card(folder: str | Path, report: dict, extra_sections: list[str] | None = None) -> None:
-    plan = report["plan"]
+def write_model_card(folder: str | Path, report: ConversionReport, extra_sections: list[str] | None = None) -> None:
+    plan = report.plan
     shape = plan["shape"]
-    kv = report["kv_bytes_per_token"]
-    layers = report.get("layers", [])
-    mean_k = sum(layer["k_rel_error"] for layer in layers) / max(len(layers), 1)
-    mean_v = sum(layer["v_rel_error"] for layer in layers) / max(len(layers), 1)
+    kv = report.kv_bytes_per_token
+    mean_k, mean_v = report.mean_errors()
     portable = plan["profile"] == "portable"
-    meta = source_metadata(str(report.get("source", "model")))
+    meta = source_metadata(report.source or "model")
     lines = [
         *_header(meta),
         f"# {meta['name']} → Multi-head Latent Attention",
         "",
-        f"Converted by mha2mla {report.get('mha2mla_version', '')} from {_source_line(meta)} into a native "
+        f"Converted by mha2mla {report.mha2mla_version} from {_source_line(meta)} into a native "
         f"DeepSeek-V3 checkpoint. Source: {plan['family']}, {shape['num_layers']} layers, {shape['num_heads']} query "
         f"heads, {shape['num_kv_heads']} KV heads, head dim {shape['head_dim']}.",
         "",
@@ -131,9 +130,9 @@ def write_model_card(folder: str | Path, report: dict, extra_sections: list[str]
         f"- KV cache per token ({plan['dtype']}, all layers): {kv['source']:,.0f} B → {kv['converted']:,.0f} B "
         f"({100 * kv['ratio']:.2f}% of the source).",
     ]
-    if report.get("dropped_biases"):
-        lines.append(f"- Source biases not carried (portable profile): {', '.join(report['dropped_biases'])}.")
-    lines += ["", "## Command", "", "```", report.get("command", ""), "```", ""]
+    if report.dropped_biases:
+        lines.append(f"- Source biases not carried (portable profile): {', '.join(report.dropped_biases)}.")
+    lines += ["", "## Command", "", "```", report.command, "```", ""]
     for section in extra_sections or []:
         lines += [section, ""]
     (Path(folder) / "README.md").write_text("\n".join(lines))

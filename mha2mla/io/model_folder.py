@@ -1,5 +1,6 @@
 """The model folder's contract, in one place: what a model argument is (a folder, a .gguf file or a hub id), its
-config.json, the safetensors files it holds and whether they read back, and the file names mha2mla writes into it.
+config.json, the safetensors files it holds and whether they read back, the file names mha2mla writes into it, and
+the conversion report (``ConversionReport``), written and read only here.
 
 Every command goes through here before it loads a model, so a damaged folder gets the same sentence from
 ``convert``, ``eval``, ``recover``, ``generate`` and ``export-gguf``. Light on purpose (no torch): the CLI calls it
@@ -9,6 +10,7 @@ before the heavy libraries load.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from mha2mla import UserError
@@ -143,14 +145,70 @@ def check_model_folder(folder: str | Path, *, hint: str = "point at a Hugging Fa
     return config
 
 
-def read_conversion_report(folder: str | Path) -> dict | None:
-    """The conversion report beside a converted checkpoint, or None (absent or unreadable: it is informative)."""
+@dataclass
+class ConversionReport:
+    """conversion_report.json: what ``convert`` did, beside the checkpoint it wrote. The model card (io/card.py)
+    renders it, ``eval`` carries it into its results and ``recover`` copies it into its output.
+
+    ``layers`` holds one record per decoder layer: the steps' measurements (``k_rel_error`` and ``v_rel_error``,
+    the relative K/V reconstruction errors every path reports; ranks, refit and reconstruction errors and the
+    layer's seconds where those steps ran). ``plan`` is ``ConversionPlan.to_dict()``; ``kv_bytes_per_token``
+    holds ``source``, ``converted`` and their ``ratio``."""
+
+    layers: list[dict]
+    family: str = ""
+    profile: str = ""
+    plan: dict = field(default_factory=dict)
+    kv_bytes_per_token: dict = field(default_factory=dict)
+    initialisation: str = ""
+    methods: dict = field(default_factory=dict)
+    dropped_biases: list[str] = field(default_factory=list)
+    portable_check: str = ""
+    source: str = ""
+    command: str = ""
+    mha2mla_version: str = ""
+    options: dict = field(default_factory=dict)
+    elapsed_seconds: float = 0.0
+    peak_rss_gib: float = 0.0
+    peak_gpu_gib: float | None = None  # calibrated on a GPU only
+
+    def mean_errors(self) -> tuple[float, float]:
+        """The mean relative K and V reconstruction errors over the layers."""
+        count = max(len(self.layers), 1)
+        return (sum(layer["k_rel_error"] for layer in self.layers) / count,
+                sum(layer["v_rel_error"] for layer in self.layers) / count)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        if data["peak_gpu_gib"] is None:
+            del data["peak_gpu_gib"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: object) -> ConversionReport | None:
+        """The report a JSON object describes, or None when it has no list of per-layer records (not a conversion
+        report). Keys this version does not know are left out."""
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+            return None
+        if not all(isinstance(layer, dict) for layer in data["layers"]):
+            return None
+        known = {item.name for item in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def write_conversion_report(folder: str | Path, report: ConversionReport) -> None:
+    (Path(folder) / CONVERSION_REPORT).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+def read_conversion_report(folder: str | Path) -> ConversionReport | None:
+    """The conversion report beside a converted checkpoint, or None (absent, unreadable or not a conversion report:
+    it is informative, never required)."""
     path = Path(folder) / CONVERSION_REPORT
     try:
-        report = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    return report if isinstance(report, dict) else None
+    return ConversionReport.from_dict(data)
 
 
 def is_model_folder(folder: str | Path) -> bool:

@@ -205,7 +205,7 @@ def test_refit_errors_equal_a_direct_computation(sources, tmp_path):
     result = convert(folder, tmp_path / "out", options, progress=False)
     # the default (reconstruction off: the refit's own output)
     assert result.plan.methods.refit == "ridge" and result.plan.methods.sequential
-    report = result.report["layers"][0]
+    report = result.report.layers[0]
     assert report["v_output_error_refit"] < report["v_output_error"]  # it validated, and helped
 
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
@@ -259,20 +259,20 @@ def test_every_method_is_exact_at_full_capacity(sources, input_ids, tmp_path, na
                              calib_samples=4, calib_seq_len=32)
     with methods_in_plan(methods):
         result = convert(sources[name], tmp_path / "out", options, progress=False)
-    assert result.report["methods"] == methods.to_dict() and result.plan.calibrated
+    assert result.report.methods == methods.to_dict() and result.plan.calibrated
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
     if methods.refit != "none":  # the refit ran, and found the exact heads and o_proj exact
         # (moment-based errors: float32 products, so ~1e-4 is zero here; a low-rank SmolLM2 layer is ~0.3)
         errors = ["v_output_error", "v_output_error_refit", "o_output_error", "o_output_error_refit"]
-        assert all(layer[key] < 1e-3 for layer in result.report["layers"] for key in errors)
+        assert all(layer[key] < 1e-3 for layer in result.report.layers for key in errors)
 
 
 @pytest.mark.parametrize("name", ["llama_mqa", "qwen2_mqa"])
 def test_weight_only_is_exact_at_full_capacity(sources, input_ids, tmp_path, name):
     options = ConvertConfig(profile="exact", kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM, calib="none")
     result = convert(sources[name], tmp_path / "out", options, progress=False)
-    assert not result.plan.calibrated and result.report["methods"]["lowrank"] == "svd"
+    assert not result.plan.calibrated and result.report.methods["lowrank"] == "svd"
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
 
@@ -446,7 +446,7 @@ def test_calibrated_portable_output_spends_one_cache_value_on_the_stabiliser(sou
                              calib_seq_len=32)
     result = convert(sources["llama_gqa"], tmp_path / "out", options, progress=False)
     assert result.plan.methods.kv_norm == "stabilized" and result.plan.extra_channels == 1 and result.plan.latent_rank == 12
-    assert result.report["layers"][0]["kv_lora_rank"] == 13
+    assert result.report.layers[0]["kv_lora_rank"] == 13
     assert check_portable_folder(tmp_path / "out") == []
     weights = load_file(str(next((tmp_path / "out").glob("model*.safetensors"))))
     kv_b = weights["model.layers.0.self_attn.kv_b_proj.weight"]  # (H*(d_n+d_v), 13)
@@ -465,7 +465,7 @@ def test_reconstruction_keeps_full_capacity_exact(sources, input_ids, tmp_path, 
     assert result.plan.methods.reconstruct == "gradient"
     difference = (logits(tmp_path / "out", input_ids) - logits(sources[name], input_ids)).abs().max().item()
     assert difference < 1e-4, difference
-    assert all(layer["reconstruction_error_after"] <= layer["reconstruction_error"] for layer in result.report["layers"])
+    assert all(layer["reconstruction_error_after"] <= layer["reconstruction_error"] for layer in result.report.layers)
 
 
 def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, tmp_path):
@@ -480,7 +480,7 @@ def test_reconstruction_lowers_the_held_out_error_and_reports_it_truly(sources, 
     options = ConvertConfig(profile="exact", kv_lora_rank=9, rope_dim=HEAD_DIM // 2, compute_dtype="float32",
                             calib=calib, calib_samples=32, calib_seq_len=64)
     result = convert(folder, tmp_path / "out", options, progress=False)
-    layers = result.report["layers"]
+    layers = result.report.layers
     assert all(layer["reconstruction_error_after"] < layer["reconstruction_error"] for layer in layers), [
         (layer["reconstruction_error"], layer["reconstruction_error_after"]) for layer in layers]
     assert layers[0]["reconstruction_error_after"] < 0.99 * layers[0]["reconstruction_error"]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.output.portable import check_portable_folder, portable_violations
 from mha2mla.convert.pipeline import convert
+from mha2mla.io.model_folder import read_conversion_report
 from mha2mla.modeling.absorbed import load_absorbed
 from mha2mla.modeling.reference import reference_attention
 
@@ -106,7 +107,7 @@ def test_error_falls_monotonically_with_rank(sources, input_ids, tmp_path, name)
         out = tmp_path / f"r{rank}"
         result = convert(sources[name], out, ConvertConfig(calib=None, profile="exact", kv_lora_rank=rank + 1, rope_dim=HEAD_DIM), progress=False)
         errors.append((logits(out, input_ids) - reference).pow(2).mean().sqrt().item())
-        k_errors.append(sum(layer["k_rel_error"] + layer["v_rel_error"] for layer in result.report["layers"]))
+        k_errors.append(sum(layer["k_rel_error"] + layer["v_rel_error"] for layer in result.report.layers))
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
     assert all(a > b for a, b in zip(k_errors, k_errors[1:])), k_errors
 
@@ -168,8 +169,8 @@ def test_every_portable_output_passes_the_checker(sources, tmp_path, name):
     out = tmp_path / "out"
     result = convert(sources[name], out, ConvertConfig(kv_budget=0.25, **SMALL_CALIBRATION), progress=False)
     assert check_portable_folder(out) == []
-    assert result.report["methods"]["lowrank"] == "attention" and result.report["methods"]["refit"]
-    assert result.report["portable_check"] == "passed"
+    assert result.report.methods["lowrank"] == "attention" and result.report.methods["refit"]
+    assert result.report.portable_check == "passed"
     config = json.loads((out / "config.json").read_text())
     assert config["rope_interleave"] is True and config["attention_bias"] is False
     assert config["tie_word_embeddings"] is False  # engines load lm_head.weight explicitly
@@ -227,6 +228,9 @@ def test_output_folder_contents_and_sharding(sources, tmp_path, input_ids):
     assert len(report["layers"]) == 2
     assert {"kv_lora_rank", "rope_pairs", "k_rel_error", "v_rel_error"} <= set(report["layers"][0])
     assert report["kv_bytes_per_token"]["ratio"] == pytest.approx(0.5)
+    assert "peak_gpu_gib" not in report  # calibrated on no GPU
+    assert read_conversion_report(out).to_dict() == json.loads(json.dumps(result.report.to_dict()))  # back whole
+    assert result.report.mean_errors()[0] == pytest.approx(sum(layer["k_rel_error"] for layer in report["layers"]) / 2)
     assert "kv_lora_rank" in (out / "README.md").read_text()
     assert not list(tmp_path.glob(".out.tmp-*"))
     # the sharded checkpoint equals an unsharded conversion

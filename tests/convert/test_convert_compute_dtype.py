@@ -91,10 +91,10 @@ def test_bf16_reconstruction_lowers_the_error_with_float32_masters(llama_source,
     errors and logits stay near the float32 conversion's."""
     results = {dtype: convert_with(llama_source, tmp_path / dtype, dtype, kv_lora_rank=9, rope_dim=HEAD_DIM // 2)
                for dtype in ("float32", "bfloat16")}
-    layers = results["bfloat16"].report["layers"]
+    layers = results["bfloat16"].report.layers
     assert all(layer["reconstruction_error_after"] < layer["reconstruction_error"] for layer in layers), [
         (layer["reconstruction_error"], layer["reconstruction_error_after"]) for layer in layers]
-    for ours, exact in zip(layers, results["float32"].report["layers"]):
+    for ours, exact in zip(layers, results["float32"].report.layers):
         assert ours["reconstruction_error_after"] == pytest.approx(exact["reconstruction_error_after"], rel=0.1)
     ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))
     fp32, bf16 = (logits(tmp_path / d, ids) for d in ("float32", "bfloat16"))
