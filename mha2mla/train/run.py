@@ -201,8 +201,11 @@ class RecoveryRun:
                     evaluations.append(evaluation)
                     log_evaluation(config.out_path, evaluation, self.is_main)
                 if ending:
-                    return {**recovery_report(state, self.parameter_counts, self.world, self.compute_dtype, resumed_from),
-                            "stopped_by_max_time": budget.stopped}
+                    report = {**recovery_report(state, self.parameter_counts, self.world, self.compute_dtype, resumed_from),
+                              "stopped_by_max_time": budget.stopped}
+                    if self.devices.device.type == "cuda":  # this process's peak, beside the --dry-run estimate
+                        report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.devices.device) / 1024**3, 3)
+                    return report
                 if periodic and config.save_every and step % config.save_every == 0:  # OUT/checkpoints/step-NNNNNN
                     trainable, optimizer_state, rng_states = gathered_state(self.model, self.optimizer.optimizer,
                                                                             self.param_names, accelerator)
