@@ -21,7 +21,8 @@ each phase timed exclusively (time spent in a phase called from another counts i
 - refit, reconstruction: the two fit steps; advance: both streams pushed through the layer;
 - layer read: the source layer's weights read for the stream; writing: tensors, metadata, card; other: the rest.
 
-Wall and CPU seconds (the process's, every thread's): on a machine other jobs share, the CPU ratio moves far less with
+With ``--calib-device cuda`` the floor runs on the GPU too and every phase boundary waits for the GPU (so each phase
+is charged with its own kernels). Wall and CPU seconds (the process's, every thread's): on a machine other jobs share, the CPU ratio moves far less with
 their load. Peak memory of the conversion alone: VmHWM, reset after the floor (``/proc/self/clear_refs``).
 ``--quality`` adds the held-out perplexity of the converted model (mha2mla.evaluation.perplexity; for a
 ``--first-layers`` cut no quality figure, only a check that two runs agree). Prints the floor as a JSON line as soon
@@ -48,12 +49,19 @@ def clocks() -> tuple[float, float]:
 
 
 class PhaseClock:
-    """Exclusive wall and CPU seconds per phase: a phase entered inside another stops the outer one's clocks."""
+    """Exclusive wall and CPU seconds per phase: a phase entered inside another stops the outer one's clocks.
+    ``sync``: called before every clock reading (a CUDA synchronize when the conversion runs on a GPU, so that a
+    phase is charged with the kernels it queued, not the next phase that waits for them)."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.seconds: dict[str, float] = defaultdict(float)
         self.cpu_seconds: dict[str, float] = defaultdict(float)
         self.stack: list[list] = []  # [name, wall started, CPU started]
+        self.sync = sync or (lambda: None)
+
+    def now(self) -> tuple[float, float]:
+        self.sync()
+        return clocks()
 
     def _add(self, entry: list, now: tuple[float, float]) -> None:
         self.seconds[entry[0]] += now[0] - entry[1]
@@ -61,14 +69,14 @@ class PhaseClock:
 
     def wrap(self, name: str, function):
         def timed(*args, **kwargs):
-            now = clocks()
+            now = self.now()
             if self.stack:
                 self._add(self.stack[-1], now)
             self.stack.append([name, *now])
             try:
                 return function(*args, **kwargs)
             finally:
-                done = clocks()
+                done = self.now()
                 self._add(self.stack.pop(), done)
                 if self.stack:
                     self.stack[-1][1:] = done
@@ -135,16 +143,27 @@ def floor_seconds(source: Path, options) -> tuple[float, dict]:
     plan = make_plan(ckpt.config, family_for_config(ckpt.config), options)
     tokens = _calibration_tokens(plan, ckpt.folder)
     dtype = torch_dtype(plan.compute_dtype)
+    device = torch.device(options.calib_device)
     model = AutoModelForCausalLM.from_pretrained(str(ckpt.folder), dtype=dtype, attn_implementation="sdpa").eval()
-    batch = calibration_batch(plan)
+    model, tokens, batch = model.to(device), tokens.to(device), calibration_batch(plan)
+    sync = device_sync(device)
+    sync()
     started = clocks()
     with torch.no_grad():
         for start in range(0, tokens.shape[0], batch):
             model(input_ids=tokens[start : start + batch]).logits.float().sum()  # (b, L, vocab), dropped
+    sync()
     done = clocks()
     del model
     return done[0] - started[0], {"compute_dtype": plan.compute_dtype, "tokens": list(tokens.shape), "batch": batch,
-                                  "cpu_seconds": round(done[1] - started[1], 2)}
+                                  "device": str(device), "cpu_seconds": round(done[1] - started[1], 2)}
+
+
+def device_sync(device):
+    """What waits for ``device``'s queued work: a CUDA synchronize, nothing on the CPU."""
+    import torch
+
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def _calibration_tokens(plan, folder: Path):
@@ -160,9 +179,11 @@ def _calibration_tokens(plan, folder: Path):
 
 def conversion(source: Path, options, work: str | None, quality: bool, windows: int) -> dict:
     """The default conversion with its phases timed; its held-out perplexity when ``quality``."""
+    import torch
+
     from mha2mla.convert.pipeline import convert
 
-    clock = PhaseClock()
+    clock = PhaseClock(device_sync(torch.device(options.calib_device)))
     reset_peak_rss()
     with tempfile.TemporaryDirectory(dir=work) as tmp, patched(clock):
         started = clocks()
@@ -176,7 +197,7 @@ def conversion(source: Path, options, work: str | None, quality: bool, windows: 
     cpu_phases["other"] = round(cpu - sum(clock.cpu_seconds.values()), 2)
     layers = result.report.layers
     return {"seconds": round(wall, 2), "phases": phases, "cpu_seconds": round(cpu, 2), "cpu_phases": cpu_phases,
-            "peak_rss_gib": round(peak / GIB, 3),
+            "peak_rss_gib": round(peak / GIB, 3), "peak_gpu_gib": result.report.peak_gpu_gib,
             "reconstruction_steps": sum(layer.get("reconstruction_steps", 0) for layer in layers),
             # per layer: the held-out error at each of the reconstruction's measurements (every EVAL_EVERY steps)
             "reconstruction_curves": [layer["reconstruction_curve"] for layer in layers if "reconstruction_curve" in layer],
@@ -236,7 +257,8 @@ def markdown(row: dict) -> str:
         lines.append(f"| {name} | {seconds:.1f} | {seconds / floor:.2f} | {cpu:.1f} | {cpu / floor_cpu:.2f} |")
     lines.append(f"| **conversion** | **{convert['seconds']:.1f}** | **{convert['seconds'] / floor:.2f}** | "
                  f"**{convert['cpu_seconds']:.1f}** | **{convert['cpu_seconds'] / floor_cpu:.2f}** |")
-    lines.append(f"\npeak RSS of the conversion {convert['peak_rss_gib']:.2f} GiB; perplexity {convert['perplexity']}")
+    gpu = f", peak GPU memory {convert['peak_gpu_gib']:.2f} GiB" if convert.get("peak_gpu_gib") is not None else ""
+    lines.append(f"\npeak RSS of the conversion {convert['peak_rss_gib']:.2f} GiB{gpu}; perplexity {convert['perplexity']}")
     return "\n".join(lines)
 
 
@@ -281,7 +303,8 @@ def main(argv=None) -> int:
     options = ConvertConfig(kv_budget=args.kv_budget, compute_dtype=args.compute_dtype,
                              calib_samples=args.calib_samples, calib_device=args.calib_device)
     floor, floor_info = floor_seconds(source, options)
-    row = {"source": str(source), "shape": args.shape or "SmolLM2-135M", "first_layers": args.first_layers,
+    label = args.shape or (Path(args.model).name if args.model else "SmolLM2-135M")
+    row = {"source": str(source), "shape": label, "first_layers": args.first_layers,
            "kv_budget": options.budget, "threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get(
                "OMP_NUM_THREADS"), "load_average": os.getloadavg(), "floor_seconds": round(floor, 2), "floor": floor_info}
     print(json.dumps(row), flush=True)  # the floor first: a conversion stopped later still leaves it

@@ -7,12 +7,16 @@
 #   3. recover's training tokens/s with SDPA and with the Triton kernel in bf16 at two widths: SmolLM2-135M widths
 #      (every layer trained, 16 x 1024) and Llama-3.2-1B widths (LoRA, 8 x 2048), random weights converted at
 #      12.5% / 25% KV, the same text, seed and steps for both attentions (so the loss curves compare too),
-#   4. the calibrated conversion at Llama-3-8B widths on CUDA (benchmarks/scale.py, 2 layers).
+#   4. recovery's peak GPU memory beside its --dry-run estimate: Llama-3.2-1B widths with a 128K vocabulary, LoRA + KL
+#      to the source, 8 x 4096 tokens per step,
+#   5. the default conversion at Llama-3-8B widths on CUDA against its floor, phase by phase
+#      (benchmarks/convert_cost.py, 2 layers: what dominates on a GPU).
 # Each phase gets at most its own limit and what is left of the 470 s budget (a phase that no longer fits is
 # skipped and says so). Full logs land in OUT_DIR (default $OUT, else ./gpu_check_out), 8 files at most; one
 # summary table is printed last.
 # --smoke (or MHA2MLA_GPU_CHECK_SMOKE=1): the same phases on the CPU with tiny shapes, the kernels in Triton's
 # interpreter, to check the script end to end where no GPU is at hand; its figures mean nothing.
+# GPU_CHECK_PHASES="4 5" runs only those phases (a rerun of what failed).
 # On the GPU machine pydantic is missing: carry wheels in .whl/ (docs/kernels.md); they are installed into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +29,12 @@ trap 'rm -rf "$WORK"' EXIT
 T0=$(date +%s)
 BUDGET=470  # seconds: 8 minutes less a margin for the summary
 phase() { echo "== [+$(( $(date +%s) - T0 ))s] $*"; }
+PHASES=" ${GPU_CHECK_PHASES:-1 2 3 4 5} "  # a rerun may name only the phases it needs, e.g. GPU_CHECK_PHASES="4 5"
+wants() { [[ "$PHASES" == *" $1 "* ]]; }
 # seconds a phase may take: its own limit, or what is left of the budget (0: skip it)
 limit() { local left=$(( BUDGET - ($(date +%s) - T0) )); [ "$left" -lt 15 ] && echo 0 || echo $(( $1 < left ? $1 : left )); }
+# within SECONDS COMMAND...: COMMAND under its limit (limit above), or skipped with exit 124 when no time is left
+within() { local t; t=$(limit "$1"); shift; [ "$t" -gt 0 ] || { echo "skipped: out of time"; return 124; }; timeout "$t" "$@"; }
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -47,13 +55,15 @@ if [ "$SMOKE" = 1 ]; then
   TESTS=(-m "not slow and not gpu" tests/kernels/test_dtypes.py tests/kernels/test_tuning.py tests/kernels/test_speed_table.py)
   BENCH=(--smoke); DEVICE=cpu; VOCAB=512; BUDGET=900  # a shared CPU: the interpreter is slow, the budget larger
   WIDTHS=("w135 64 2 4 2 128 0.25 full 2 32 4" "w1b 96 2 6 2 192 0.25 lora 2 32 4")  # name hidden layers heads kv mlp budget train batch seq steps
-  SCALE=(--shapes llama3-8b --modes weight-only --layers 1 --max-minutes 2)
+  MEMORY="m1b 96 2 6 2 192 1024 0.25 2 64 2"  # name hidden layers heads kv mlp vocab budget batch seq steps
+  COST=(--model "$WORK/src_tiny" --calib-samples 8)
 else
   unset TRITON_INTERPRET
   TESTS=(-m "not slow" --ignore tests/kernels/test_compile.py tests/kernels)  # compiling is checked on the CPU
   BENCH=(); DEVICE=cuda; VOCAB=49152
   WIDTHS=("w135 576 30 9 3 1536 0.125 full 16 1024 20" "w1b 2048 16 32 8 8192 0.25 lora 8 2048 12")
-  SCALE=(--shapes llama3-8b --modes calibrated --layers 2 --calib-samples 128 --calib-device cuda --max-minutes 1.5)
+  MEMORY="m1b 2048 16 32 8 8192 128256 0.25 8 4096 4"
+  COST=(--shape llama3-8b --layers 2 --calib-device cuda)
 fi
 
 { [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
@@ -61,27 +71,10 @@ fi
   git rev-parse --short HEAD 2>/dev/null; echo "smoke $SMOKE"; } > "$OUT_DIR/env.txt" 2>&1
 cat "$OUT_DIR/env.txt"
 
-phase "1 kernel tests"
-t=$(limit 110)
-if [ "$t" -gt 0 ]; then timeout "$t" "$PY" -m pytest -q -p no:cacheprovider -rfE "${TESTS[@]}" > "$OUT_DIR/kernel_tests.txt" 2>&1
-  echo "kernel tests rc $?" | tee -a "$OUT_DIR/kernel_tests.txt"; else echo "skipped: out of time" > "$OUT_DIR/kernel_tests.txt"; fi
-
-phase "2 kernels bench"
-t=$(limit 100)
-if [ "$t" -gt 0 ]; then timeout "$t" "$PY" benchmarks/kernels_bench.py "${BENCH[@]}" --json "$WORK/kernels_bench.json" \
-  > "$OUT_DIR/kernels_bench.txt" 2>&1; echo "bench rc $?" | tee -a "$OUT_DIR/kernels_bench.txt"
-else echo "skipped: out of time" > "$OUT_DIR/kernels_bench.txt"; fi
-
-phase "3 recover tokens/s: sdpa vs mha2mla_triton, bf16"
-cat "$("$PY" -c 'from mha2mla.convert.calibration.data import bundled_sample_path as p; print(p())')" > "$WORK/one.txt"
-for _ in 1 2 3 4 5 6 7 8; do cat "$WORK/one.txt"; done > "$WORK/text.txt"
-: > "$OUT_DIR/recover.txt"; : > "$OUT_DIR/recover_logs.jsonl"
-for spec in "${WIDTHS[@]}"; do
-  read -r name hidden layers heads kv mlp budget train batch seq steps <<< "$spec"
-  t=$(limit 60)
-  [ "$t" -gt 0 ] || { echo "$name: skipped, out of time" | tee -a "$OUT_DIR/recover.txt"; continue; }
-  timeout "$t" "$PY" - "$WORK/src_$name" "$hidden" "$layers" "$heads" "$kv" "$mlp" "$VOCAB" "$DEVICE" \
-    >> "$OUT_DIR/recover.txt" 2>&1 <<'EOF'
+# build_source SECONDS NAME HIDDEN LAYERS HEADS KV MLP VOCAB: a random-weight Llama-family source in $WORK/src_NAME
+build_source() {
+  [ "$1" -gt 0 ] || { echo "$2: skipped, out of time"; return 124; }
+  timeout "$1" "$PY" - "$WORK/src_$2" "${@:3}" "$DEVICE" <<'EOF'
 # a random-weight Llama-family source at these widths, with a byte-level BPE of the bundled text (benchmarks/scale.py)
 import sys
 sys.path.insert(0, "benchmarks")
@@ -100,6 +93,37 @@ model.save_pretrained(out)
 build_tokenizer(vocab).save_pretrained(out)
 print(f"{out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 EOF
+}
+
+# the text the recovery phases train on: the bundled calibration sample, 8 times over
+cat "$("$PY" -c 'from mha2mla.convert.calibration.data import bundled_sample_path as p; print(p())')" > "$WORK/one.txt"
+for _ in 1 2 3 4 5 6 7 8; do cat "$WORK/one.txt"; done > "$WORK/text.txt"
+
+if wants 1; then
+phase "1 kernel tests"
+t=$(limit 110)
+if [ "$t" -gt 0 ]; then timeout "$t" "$PY" -m pytest -q -p no:cacheprovider -rfE "${TESTS[@]}" > "$OUT_DIR/kernel_tests.txt" 2>&1
+  echo "kernel tests rc $?" | tee -a "$OUT_DIR/kernel_tests.txt"; else echo "skipped: out of time" > "$OUT_DIR/kernel_tests.txt"; fi
+
+fi
+
+if wants 2; then
+phase "2 kernels bench"
+t=$(limit 100)
+if [ "$t" -gt 0 ]; then timeout "$t" "$PY" benchmarks/kernels_bench.py "${BENCH[@]}" --json "$WORK/kernels_bench.json" \
+  > "$OUT_DIR/kernels_bench.txt" 2>&1; echo "bench rc $?" | tee -a "$OUT_DIR/kernels_bench.txt"
+else echo "skipped: out of time" > "$OUT_DIR/kernels_bench.txt"; fi
+
+fi
+
+if wants 3; then
+phase "3 recover tokens/s: sdpa vs mha2mla_triton, bf16"
+: > "$OUT_DIR/recover.txt"; : > "$OUT_DIR/recover_logs.jsonl"
+for spec in "${WIDTHS[@]}"; do
+  read -r name hidden layers heads kv mlp budget train batch seq steps <<< "$spec"
+  t=$(limit 60)
+  [ "$t" -gt 0 ] || { echo "$name: skipped, out of time" | tee -a "$OUT_DIR/recover.txt"; continue; }
+  build_source "$t" "$name" "$hidden" "$layers" "$heads" "$kv" "$mlp" "$VOCAB" >> "$OUT_DIR/recover.txt" 2>&1
   t=$(limit 60)
   [ "$t" -gt 0 ] && timeout "$t" "$PY" -m mha2mla.cli.main convert "$WORK/src_$name" "$WORK/mla_$name" --calib none \
     --kv-budget "$budget" >> "$OUT_DIR/recover.txt" 2>&1 || { echo "$name: convert failed" | tee -a "$OUT_DIR/recover.txt"; continue; }
@@ -122,11 +146,40 @@ for line in open(sys.argv[1]):
   rm -rf "$WORK/src_$name" "$WORK/mla_$name"
 done
 
-phase "4 conversion at Llama-3-8B widths"
-t=$(limit 110)
-if [ "$t" -gt 0 ]; then timeout "$t" "$PY" benchmarks/scale.py "${SCALE[@]}" --work "$WORK/scale" --json "$WORK/scale.json" \
-  > "$OUT_DIR/scale.txt" 2>&1; echo "scale rc $?" | tee -a "$OUT_DIR/scale.txt"
-else echo "skipped: out of time" > "$OUT_DIR/scale.txt"; fi
+fi
+
+if wants 4; then
+phase "4 recovery memory: 128K vocabulary, LoRA + KL"
+read -r name hidden layers heads kv mlp vocab budget batch seq steps <<< "$MEMORY"
+t=$(limit 60)
+if [ "$t" -gt 0 ] && build_source "$t" "$name" "$hidden" "$layers" "$heads" "$kv" "$mlp" "$vocab" >> "$OUT_DIR/recover.txt" 2>&1 \
+  && within 60 "$PY" -m mha2mla.cli.main convert "$WORK/src_$name" "$WORK/mla_$name" --calib none \
+    --kv-budget "$budget" >> "$OUT_DIR/recover.txt" 2>&1; then
+  ARGS=("$WORK/mla_$name" --data "$WORK/text.txt" --out "$WORK/r_$name" --no-full-layers --teacher "$WORK/src_$name"
+        --distill-weight 0.5 --batch-size "$batch" --seq-len "$seq" --compute-dtype bfloat16 --save-every 0
+        --eval-every 0 --eval-sequences 0 --no-progress --max-steps "$steps")
+  estimate=$(within 60 "$PY" -m mha2mla.cli.main recover "${ARGS[@]}" --dry-run 2>>"$OUT_DIR/recover.txt" \
+    | tee -a "$OUT_DIR/recover.txt" | awk '$1 == "total" {print $2}')
+  within 90 "$PY" -m mha2mla.cli.main recover "${ARGS[@]}" >> "$OUT_DIR/recover.txt" 2>&1
+  echo "$name recover rc $?" | tee -a "$OUT_DIR/recover.txt"
+  peak=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1])).get('peak_gpu_gib', 'n/a'))" \
+    "$WORK/r_$name/recovery_report.json" 2>/dev/null || echo "no report")
+  echo "peak memory $name vocab $vocab: estimate ${estimate:-n/a} GiB, peak ${peak} GiB ($batch x $seq tokens, LoRA + KL 0.5)" \
+    | tee -a "$OUT_DIR/recover.txt"
+else echo "peak memory $name: skipped or failed (out of time, or the source/convert failed)" | tee -a "$OUT_DIR/recover.txt"; fi
+rm -rf "$WORK/src_$name" "$WORK/mla_$name" "$WORK/r_$name"
+
+fi
+
+if wants 5; then
+phase "5 conversion cost: floor and phases"
+t=$(limit 150)
+if [ "$t" -gt 0 ]; then
+  [ "$SMOKE" = 1 ] && build_source 60 tiny 64 2 4 2 128 "$VOCAB" >> "$OUT_DIR/convert_cost.txt" 2>&1
+  timeout "$t" "$PY" benchmarks/convert_cost.py "${COST[@]}" --work "$WORK" >> "$OUT_DIR/convert_cost.txt" 2>&1
+  echo "convert_cost rc $?" | tee -a "$OUT_DIR/convert_cost.txt"
+else echo "skipped: out of time" > "$OUT_DIR/convert_cost.txt"; fi
+fi
 [ -f "$WORK/kernels_bench.json" ] && cp "$WORK/kernels_bench.json" "$OUT_DIR/kernels_bench.json"
 
 phase "summary (total $(( $(date +%s) - T0 ))s)"
@@ -162,9 +215,19 @@ for width in dict.fromkeys(r["width"] for r in logs):
         gap = max(abs(a - b) for a, b in zip(*losses.values()) if a is not None and b is not None)
         rows.append((f"recover {width} kernel / sdpa", f"x{rate['mha2mla_triton'] / rate['sdpa']:.2f} tokens/s; "
                      f"largest per-step loss gap {gap:.4f}"))
-table = [l for l in text("scale.txt").splitlines() if l.startswith("|")]
-for line in table[2:]:  # under the header and its separator
-    rows.append(("convert llama3-8b widths (scale.py columns)", line.strip("| ")[:150]))
+for line in text("recover.txt").splitlines():
+    if line.startswith("peak memory "):
+        rows.append(("recover peak memory", line[len("peak memory "):]))
+cost = [json.loads(l) for l in text("convert_cost.txt").splitlines() if l.startswith("{") and '"conversion"' in l]
+if cost:  # the whole record: floor, phases, the ratio
+    c = cost[-1]
+    phases = sorted(c["conversion"]["phases"].items(), key=lambda item: -item[1])[:4]
+    rows.append((f"convert {c['shape']} ({c['floor'].get('device', 'cpu')})",
+                 f"floor {c['floor_seconds']:.1f} s, conversion {c['conversion']['seconds']:.1f} s = "
+                 f"x{c['conversion_over_floor']:.2f}; " + ", ".join(f"{n} {v:.1f}" for n, v in phases)
+                 + f"; peak GPU {c['conversion'].get('peak_gpu_gib')} GiB"))
+else:
+    rows.append(("convert cost", "no record (see convert_cost.txt)"))
 for row in bench.get("speed_table_rows", []):
     rows.append(("speed_table.py row", row))
 print("| check | result |\n|---|---|")
