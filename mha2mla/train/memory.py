@@ -10,15 +10,19 @@ The rest is counted per process from what the run holds at its peak, a training 
 - gradients: float32, trainable parameters; optimizer: AdamW's two float32 moments per trainable parameter;
 - teacher: its parameters in the compute dtype (a GGUF teacher is counted as the student: same vocabulary and
   widths, only attention differs);
-- activations: what autograd keeps per token and decoder layer (:func:`saved_per_token`) over the micro-batch, and
-  one layer's worth more for the gradients the backward pass makes as it goes; with activation checkpointing, each
-  layer's input instead of the whole, and one layer recomputed;
-- logits: the lm_head losses' chunk temporaries (head_losses.py) plus the gradient of the final hidden states; under
-  FSDP, whole logits (student, teacher, gradient) as ``logit_losses`` needs them;
+- activations: what autograd keeps per token and decoder layer (:func:`saved_per_token`) over the micro-batch (with
+  activation checkpointing, each layer's input instead of the whole), and the gradient of the final hidden states,
+  which the lm_head losses make in the forward pass: held from the forward pass to the end of the backward pass;
+- backward: what the backward pass makes as it goes, one layer's worth of gradients (with checkpointing, and one
+  layer recomputed);
+- logit chunks: the lm_head losses' chunk temporaries (head_losses.py), made and freed at the end of the forward
+  pass, so they never coexist with the backward pass's: the larger of the two counts;
+- logits: under FSDP, whole logits (student, teacher, gradient) as ``logit_losses`` needs them, held through the
+  backward pass;
 - data: the packed token rows (input ids and positions, int64): one shuffled block of a streamed ``--data``, every
   row of teacher-generated text; and the held-out rows.
 
-The estimate is the sum; a run whose estimate exceeds the memory the device has free is refused in one sentence.
+The estimate is the sum of the parts, the larger of backward and logit chunks only; a run whose estimate exceeds the memory the device has free is refused in one sentence.
 It leaves out what the process holds before the run (torch, transformers, the tokenizer) and allocator slack.
 """
 
@@ -55,17 +59,20 @@ class MemoryEstimate:
     optimizer: int
     teacher: int
     activations: int
+    backward: int
+    logit_chunks: int
     logits: int
     data: int
 
     @property
     def total(self) -> int:
-        return sum(vars(self).values())
+        """The peak: every part but the smaller of backward and logit chunks, which never coexist."""
+        return sum(vars(self).values()) - min(self.backward, self.logit_chunks)
 
     def lines(self) -> list[str]:
         """One line per part and the total, in GiB."""
         parts = [f"  {name:<12} {value / GIB:8.3f} GiB" for name, value in vars(self).items()]
-        return [*parts, f"  {'total':<12} {self.total / GIB:8.3f} GiB"]
+        return [*parts, f"  {'total':<12} {self.total / GIB:8.3f} GiB (backward and logit chunks: the larger only)"]
 
 
 def _widths(model_config: dict) -> tuple[int, int, int, int, int, int, int]:
@@ -112,22 +119,25 @@ def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, c
     layers = model_config["num_hidden_layers"]
     hidden, vocab = model_config["hidden_size"], model_config["vocab_size"]
     per_layer = saved_per_token(model_config, config)
-    kept = {"none": layers * per_layer, "full": layers * hidden + per_layer,
-            "selective": layers * selective_per_token(model_config) + per_layer}[config.activation_checkpointing]
-    activations = tokens * (kept + per_layer + 4 * hidden) * compute_bytes
+    kept = {"none": layers * per_layer, "full": layers * hidden,
+            "selective": layers * selective_per_token(model_config)}[config.activation_checkpointing]
+    recomputed = 0 if config.activation_checkpointing == "none" else per_layer
+    backward = tokens * (recomputed + per_layer + 4 * hidden) * compute_bytes
     teacher = 0
     if config.teacher is not None:
         teacher = (counts.teacher if counts.teacher is not None else total) * compute_bytes
     chunk = min(CHUNK_POSITIONS, tokens)
-    logits = chunk * vocab * 4 * CHUNK_COPIES[config.teacher is not None] + tokens * hidden * 4
-    if sharded:  # whole logits: the student's and its gradient, and the teacher's
-        logits += tokens * vocab * compute_bytes * (3 if config.teacher is not None else 2)
+    activations = tokens * kept * compute_bytes + tokens * hidden * 4
+    logit_chunks = chunk * vocab * 4 * CHUNK_COPIES[config.teacher is not None]
+    # whole logits under FSDP: the student's and its gradient, and the teacher's
+    logits = tokens * vocab * compute_bytes * (3 if config.teacher is not None else 2) if sharded else 0
     # --data is streamed (stream.py): one shuffled block of rows at a time; teacher-generated rows are all held
     held = -(-SHUFFLE_BLOCK_TOKENS // config.seq_len) if config.data else total_steps * config.batch_size * \
         config.grad_accum * world
     rows = held + config.eval_sequences
     return MemoryEstimate(weights=total * 4 // split, gradients=trainable * 4 // split, optimizer=trainable * 8 // split,
-                          teacher=teacher, activations=activations, logits=logits, data=rows * config.seq_len * 16)
+                          teacher=teacher, activations=activations, backward=backward, logit_chunks=logit_chunks,
+                          logits=logits, data=rows * config.seq_len * 16)
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -1,7 +1,8 @@
 """The memory estimate of a recovery run (mha2mla/train/memory.py) against the memory a run really takes, measured
-in a fresh process: its peak resident set after the libraries are loaded, minus its resident set then. Two shapes
-(full layers, with and without activation checkpointing; LoRA), float32, the test's whole run (setup, steps, export). ``recover --dry-run`` and the refusal
-of a run that does not fit: one sentence, nothing written."""
+in a fresh process: its peak resident set after the libraries are loaded, minus its resident set then, allocator
+slack pinned out (CHILD). Full layers without, with selective and with full activation checkpointing, and LoRA;
+float32, the test's whole run (setup, steps, export). ``recover --dry-run`` and the refusal of a run that does not
+fit: one sentence, nothing written."""
 
 from __future__ import annotations
 
@@ -22,9 +23,15 @@ from mha2mla.train.trainable import meta_counts
 REPO = Path(__file__).resolve().parents[2]
 
 # The child: import everything a run imports, note the resident set, reset the peak (Linux: clear_refs 5), run,
-# read the peak.
+# read the peak. The estimate leaves out allocator slack, so the child measures the live set: glibc's mmap threshold
+# pinned at 64 KiB (CHILD_ENV) gives every tensor its own mapping, returned when freed, as a real-size run's tensors
+# above 32 MiB are; and no transparent huge pages (prctl PR_SET_THP_DISABLE), which would round mappings up to 2 MiB
+# where the kernel makes them the default. Without the pin, heap fragmentation of these small tensors varies with
+# the CPU's kernels by a quarter of the peak.
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 CHILD = """
-import json, sys
+import ctypes, json, sys
+ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
 from pathlib import Path
 import mha2mla.train.trainer, mha2mla.train.run, mha2mla.train.merge, peft, accelerate, safetensors.torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,7 +88,7 @@ def test_the_estimate_is_within_20_percent_of_the_measured_peak(name, tmp_path):
     for document in ("a.txt", "b.txt"):  # the held-out rows are the first document's (whole documents are held out)
         (tmp_path / "text" / document).write_text(SAMPLE_TEXT * 40)
     settings = _settings(model, tmp_path / "out", tmp_path / "text", run)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
+    env = {**os.environ, **CHILD_ENV, "PYTHONPATH": str(REPO / "tests")}
     result = subprocess.run([sys.executable, "-c", CHILD, json.dumps(settings)], env=env, capture_output=True,
                             text=True, check=False, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -111,7 +118,8 @@ def test_dry_run_states_the_estimate_and_writes_nothing(tiny_mla, tmp_path, monk
     code, stdout, err = _run_main(monkeypatch, capsys, args)
     assert code == 0, err
     names = [line.split()[0] for line in stdout.splitlines()[1:-1]]
-    assert names == ["weights", "gradients", "optimizer", "teacher", "activations", "logits", "data", "total"]
+    assert names == ["weights", "gradients", "optimizer", "teacher", "activations", "backward", "logit_chunks", "logits",
+                     "data", "total"]
     assert stdout.splitlines()[-1].startswith("fits:") and not out.exists()
 
 
