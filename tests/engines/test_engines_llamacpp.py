@@ -211,7 +211,13 @@ def recovered(converted, tmp_path_factory) -> Path:
 
 def test_a_recovered_model_exports_and_runs_in_llama_cpp_as_the_converted_one(recovered, converted, ids, tmp_path):
     """Recovery changes the weights, not the format: the merged output exports, llama.cpp's f32 logits match
-    transformers' on it, and its KV cache is the converted model's (the same config, the same bytes per token)."""
+    transformers' on it, and its KV cache is the converted model's (the same config, the same bytes per token).
+
+    The logits are held to transformers in float64, the exact value of these weights, within 1e-3 or five times
+    transformers' own float32 distance from it, whichever is larger: three steps that move attention can leave the
+    first position's MLP summing large weights into a small output (where the conversion kept its massive activation),
+    and there float32 rounding alone moves a logit by 2e-3 in transformers and by about 2.5 times that in llama.cpp
+    (docs/engines.md). A wrong format is off by orders more; top-1 agreement is held as for the conversion."""
     config, before = (json.loads((folder / "config.json").read_text()) for folder in (recovered, converted))
     shared = (set(config) & set(before)) - {"dtype", "transformers_version"}
     assert shared >= {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_hidden_layers"}
@@ -227,10 +233,12 @@ def test_a_recovered_model_exports_and_runs_in_llama_cpp_as_the_converted_one(re
     llm.close()
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].double().numpy()
-    max_diff = float(np.abs(got - expected).max())
+        exact = model.double()(torch.tensor([ids])).logits[0].numpy()
+    max_diff, rounding = float(np.abs(got - exact).max()), float(np.abs(expected - exact).max())
     top1 = float((got.argmax(-1) == expected.argmax(-1)).mean())
     kv = log.kv_cache()
-    print(f"\nrecovered, llama.cpp f32 vs transformers: max |dlogit| {max_diff:.3g}, top-1 {top1:.2%}; KV {kv}")
-    assert max_diff < 1e-3 and top1 >= 0.99
+    print(f"\nrecovered, max |dlogit| from transformers float64: llama.cpp f32 {max_diff:.3g}, transformers float32 "
+          f"{rounding:.3g}; top-1 {top1:.2%}; KV {kv}")
+    assert max_diff < max(1e-3, 5 * rounding) and top1 >= 0.99
     width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
     assert kv["v_bytes"] == 0 and abs(kv["k_bytes"] - width * 4 * kv["cells"] * kv["layers"]) <= 0.005 * 2**20
