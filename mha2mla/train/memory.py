@@ -22,8 +22,9 @@ The rest is counted per process from what the run holds at its peak, a training 
 - data: the packed token rows (input ids and positions, int64): one shuffled block of a streamed ``--data``, every
   row of teacher-generated text; and the held-out rows.
 
-The estimate is the sum of the parts, the larger of backward and logit chunks only; a run whose estimate exceeds the memory the device has free is refused in one sentence.
-It leaves out what the process holds before the run (torch, transformers, the tokenizer) and allocator slack.
+The estimate is the sum of the parts, the larger of backward and logit chunks only; a run whose estimate exceeds
+the memory the device has free is refused in one sentence. It leaves out what the process holds before the run
+(torch, transformers, the tokenizer) and allocator slack.
 """
 
 from __future__ import annotations
