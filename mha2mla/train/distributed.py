@@ -45,25 +45,43 @@ def gathered_trainable(model, accelerator: Accelerator) -> dict:
     return get_model_state_dict(model, options=GATHER)
 
 
+# how a process runs AdamW's step (fused kernels on one device, the plain loop under FSDP), not state: a checkpoint
+# leaves them out and a resumed run keeps its own
+IMPLEMENTATION_KEYS = ("fused", "foreach")
+
+
+def _portable(groups: list[dict]) -> list[dict]:
+    return [{key: value for key, value in group.items() if key not in IMPLEMENTATION_KEYS} for group in groups]
+
+
 def gathered_optimizer_state(model, optimizer, names: list[str], accelerator: Accelerator) -> dict:
     """The optimizer's state as ``optimizer.state_dict()`` gives it on one process (keyed by the index of the
     parameter in ``names``, the trainable parameters' names in the optimizer's order), full tensors under FSDP
-    (collective; only the main process receives it)."""
+    (collective; only the main process receives it); without IMPLEMENTATION_KEYS."""
     if not is_sharded(accelerator):
-        return optimizer.state_dict()
+        state = optimizer.state_dict()
+        return {**state, "param_groups": _portable(state["param_groups"])}
     by_name = get_optimizer_state_dict(model, optimizer, options=GATHER)
     if not by_name:  # not the main process
         return {}
     index = {name: position for position, name in enumerate(names)}
     return {
         "state": {index[name]: value for name, value in by_name["state"].items()},
-        "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in by_name["param_groups"]],
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                         for group in _portable(by_name["param_groups"])],
     }
 
 
 def load_optimizer_state(model, optimizer, saved: dict, names: list[str], accelerator: Accelerator) -> None:
     """Restore a checkpoint's optimizer state (the layout above) into the prepared optimizer; under FSDP every
-    process reads the full state and keeps its own shard of it."""
+    process reads the full state and keeps its own shard of it. The optimizer keeps its own IMPLEMENTATION_KEYS."""
+    own = [{key: group[key] for key in IMPLEMENTATION_KEYS if key in group} for group in optimizer.param_groups]
+    _load_optimizer_state(model, optimizer, saved, names, accelerator)
+    for group, keys in zip(optimizer.param_groups, own):
+        group.update(keys)
+
+
+def _load_optimizer_state(model, optimizer, saved: dict, names: list[str], accelerator: Accelerator) -> None:
     if not is_sharded(accelerator):
         optimizer.load_state_dict(saved)
         return

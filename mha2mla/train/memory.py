@@ -13,8 +13,8 @@ The rest is counted per process from what the run holds at its peak, a training 
 - activations: what autograd keeps per token and decoder layer (:func:`saved_per_token`) over the micro-batch (with
   activation checkpointing, each layer's input instead of the whole), and the gradient of the final hidden states,
   which the lm_head losses make in the forward pass: held from the forward pass to the end of the backward pass;
-- backward: what the backward pass makes as it goes, one layer's worth of gradients (with checkpointing, and one
-  layer recomputed);
+- backward: what the backward pass makes as it goes: the layer it recomputes (full checkpointing: the whole layer;
+  selective: what the layer does not keep) and the gradients flowing through the residual stream;
 - logit chunks: the lm_head losses' chunk temporaries (head_losses.py), made and freed at the end of the forward
   pass, so they never coexist with the backward pass's: the larger of the two counts;
 - logits: under FSDP, whole logits (student, teacher, gradient) as ``logit_losses`` needs them, held through the
@@ -46,9 +46,10 @@ from mha2mla.train.trainable import ParameterCounts, meta_counts
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-# chunk temporaries of (positions x vocabulary) float32 the lm_head losses hold at once: logits, log-softmax and its
-# gradient without a teacher; the teacher's logits and probabilities with one (losses.chunk_losses)
-CHUNK_COPIES = {False: 3, True: 5}
+# float32 (positions x vocabulary) chunk temporaries the lm_head losses hold at once beside the chunk's logits (in
+# the compute dtype) and their float32 copy: the softmax that becomes the gradient; with a teacher also the
+# student's log-softmax at the temperature, the teacher's and its softmax (losses.chunk_losses)
+CHUNK_COPIES = {False: 1, True: 4}
 
 
 @dataclass(frozen=True)
@@ -122,14 +123,17 @@ def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, c
     per_layer = saved_per_token(model_config, config)
     kept = {"none": layers * per_layer, "full": layers * hidden,
             "selective": layers * selective_per_token(model_config)}[config.activation_checkpointing]
-    recomputed = 0 if config.activation_checkpointing == "none" else per_layer
-    backward = tokens * (recomputed + per_layer + 4 * hidden) * compute_bytes
+    recomputed = {"none": 0, "full": per_layer,
+                  "selective": max(0, per_layer - selective_per_token(model_config))}[config.activation_checkpointing]
+    backward = tokens * (recomputed + 4 * hidden) * compute_bytes
     teacher = 0
     if config.teacher is not None:
         teacher = (counts.teacher if counts.teacher is not None else total) * compute_bytes
     chunk = min(CHUNK_POSITIONS, tokens)
     activations = tokens * kept * compute_bytes + tokens * hidden * 4
-    logit_chunks = chunk * vocab * 4 * CHUNK_COPIES[config.teacher is not None]
+    logits_copy = compute_bytes + (4 if compute_bytes != 4 else 0)  # the chunk's logits and their float32 copy
+    logit_chunks = chunk * vocab * (logits_copy * (2 if config.teacher is not None else 1)
+                                    + 4 * CHUNK_COPIES[config.teacher is not None])
     # whole logits under FSDP: the student's and its gradient, and the teacher's
     logits = tokens * vocab * compute_bytes * (3 if config.teacher is not None else 2) if sharded else 0
     # --data is streamed (stream.py): one shuffled block of rows at a time; teacher-generated rows are all held

@@ -100,7 +100,11 @@ class RecoveryRun:
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.param_names = [name for name, _ in trainable]
         self.parameter_counts = (sum(p.numel() for _, p in trainable), sum(p.numel() for p in model.parameters()))
-        optimizer = torch.optim.AdamW([p for _, p in trainable], lr=config.learning_rate, weight_decay=config.weight_decay)
+        # torch's fused AdamW on a CPU or a GPU: one kernel over each parameter instead of a dozen elementwise passes
+        # (0.25 s -> 0.07 s of a 6 s SmolLM2 step on 2 CPU cores); the plain one under FSDP (sharded parameters)
+        fused = not self.devices.sharded and self.devices.device.type in ("cpu", "cuda")
+        optimizer = torch.optim.AdamW([p for _, p in trainable], lr=config.learning_rate, weight_decay=config.weight_decay,
+                                      fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config, self.total_steps))
         if saved is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
