@@ -54,8 +54,8 @@ def chunk_losses(logits, teacher, targets, weights, lm_weight, kl_weight, temper
     ``T (p_T - q)``; both times each position's weight.
 
     The student's softmax takes one pass of exp over the chunk: ``p = exp(x - max) / sum`` and
-    ``log p[target] = x[target] - (max + log sum)``, where log_softmax followed by exp would take two (the exp over
-    C x V values was a fifth of a CPU training step)."""
+    ``log p[target] = x[target] - (max + log sum)``, where log_softmax followed by exp would take two (over C x V
+    values, a large part of a CPU training step: docs/benchmarks.md, "Speed and memory")."""
     student = logits.float()
     top = student.amax(-1, keepdim=True)  # (C, 1)
     p = (student - top).exp_()  # (C, V)

@@ -101,7 +101,7 @@ class RecoveryRun:
         self.param_names = [name for name, _ in trainable]
         self.parameter_counts = (sum(p.numel() for _, p in trainable), sum(p.numel() for p in model.parameters()))
         # torch's fused AdamW on a CPU or a GPU: one kernel over each parameter instead of a dozen elementwise passes
-        # (0.25 s -> 0.07 s of a 6 s SmolLM2 step on 2 CPU cores); the plain one under FSDP (sharded parameters)
+        # (docs/benchmarks.md, "Speed and memory"); the plain one under FSDP (sharded parameters)
         fused = not self.devices.sharded and self.devices.device.type in ("cpu", "cuda")
         optimizer = torch.optim.AdamW([p for _, p in trainable], lr=config.learning_rate, weight_decay=config.weight_decay,
                                       fused=fused or None)
