@@ -4,7 +4,8 @@
 The parameter counts are exact (trainable.meta_counts): the student (and a teacher folder) are built on torch's ``meta``
 device from their config.json and made trainable as the run makes them (LoRA, full attention or full layers), which
 allocates nothing.
-The rest is counted per process from what the run holds at its peak, a training step's backward pass:
+The rest is counted per process from what the run holds at its peak, the end of a training step's forward pass
+or its backward pass:
 
 - weights: every student parameter in float32 (frozen ones too: bf16 runs autocast over float32 weights);
 - gradients: float32, trainable parameters; optimizer: AdamW's two float32 moments per trainable parameter;

@@ -216,7 +216,7 @@ def test_a_recovered_model_exports_and_runs_in_llama_cpp_as_the_converted_one(re
     The logits are held to transformers in float64, the exact value of these weights, within 1e-3 or five times
     transformers' own float32 distance from it, whichever is larger: three steps that move attention can leave the
     first position's MLP summing large weights into a small output (where the conversion kept its massive activation),
-    and there float32 rounding alone moves a logit by 2e-3 in transformers and by about 2.5 times that in llama.cpp
+    and there float32 rounding alone moves the logits past 1e-3, in transformers and more in llama.cpp
     (docs/engines.md). A wrong format is off by orders more; top-1 agreement is held as for the conversion."""
     config, before = (json.loads((folder / "config.json").read_text()) for folder in (recovered, converted))
     shared = (set(config) & set(before)) - {"dtype", "transformers_version"}

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 # pinned at 64 KiB (CHILD_ENV) gives every tensor its own mapping, returned when freed, as a real-size run's tensors
 # above 32 MiB are; and no transparent huge pages (prctl PR_SET_THP_DISABLE), which would round mappings up to 2 MiB
 # where the kernel makes them the default. Without the pin, heap fragmentation of these small tensors varies with
-# the CPU's kernels by a quarter of the peak.
+# the CPU's kernels (docs/recover.md, "Memory").
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 CHILD = """
 import ctypes, json, sys
