@@ -2,6 +2,7 @@
 memory estimate the same settings give (`recover --dry-run`, mha2mla/train/memory.py).
 
     python benchmarks/recover_memory.py --cases smollm2-full smollm2-full-selective smollm2-full-checkpointed smollm2-lora
+    python benchmarks/recover_memory.py --cases smollm2-lora smollm2-lora-checkpointed --steps 8
     python benchmarks/recover_memory.py --cases smollm2-full --steps 6 --baseline-commit f870c13
     python benchmarks/recover_memory.py --cases llama3-8b-lora llama3-70b-lora --steps 2
 
@@ -13,10 +14,11 @@ after the first step.
 
 The SmolLM2 cases train the default 12.5% conversion (``.cache/converted/smollm2-135m-kv0.125``, see
 docs/benchmarks.md "Healing") on the healing text, at the healing recipe's shape (4 x 512 tokens, every decoder
-layer, LM loss, bf16), with no, selective and full activation checkpointing; ``smollm2-lora`` is LoRA rank 16 in float32. The 7B-70B cases are random-weight sources at the
-real layer widths (benchmarks/scale.py builds them: 2 layers of Llama-3-8B, 1 of Llama-3-70B, a 4,096-token
-vocabulary), converted weight-only at 25% KV and trained with LoRA + KL 0.5 to the source as teacher, 1 x 1,024
-tokens. ``--baseline-commit C`` runs every case also from a git worktree of commit C (its own code, this venv), the
+layer, LM loss, bf16), with no, selective and full activation checkpointing; ``smollm2-lora`` is LoRA rank 16 in
+float32 (what ``auto`` gives LoRA), ``smollm2-lora-checkpointed`` the same with full activation checkpointing. The
+7B-70B cases are random-weight sources at the real layer widths (benchmarks/scale.py builds them: 2 layers of
+Llama-3-8B, 1 of Llama-3-70B, a 4,096-token vocabulary), converted weight-only at 25% KV and trained with LoRA + KL
+0.5 to the source as teacher, 1 x 1,024 tokens. ``--baseline-commit C`` runs every case also from a git worktree of commit C (its own code, this venv), the
 two trees alternating, so "today's" speed and memory are measured beside the checkout's in one run.
 """
 
@@ -46,6 +48,8 @@ CASES = {
     "smollm2-full-checkpointed": [*SMOLLM2, "--activation-checkpointing", "full"],
     "smollm2-lora": ["--lora-rank", "16", "--batch-size", "4", "--seq-len", "512", "--compute-dtype", "float32",
                      "--distill-weight", "0"],
+    "smollm2-lora-checkpointed": ["--lora-rank", "16", "--batch-size", "4", "--seq-len", "512", "--compute-dtype",
+                                  "float32", "--distill-weight", "0", "--activation-checkpointing", "full"],
     "llama3-8b-lora": ["--lora-rank", "16", "--batch-size", "1", "--seq-len", "1024", "--distill-weight", "0.5"],
     "llama3-70b-lora": ["--lora-rank", "16", "--batch-size", "1", "--seq-len", "1024", "--distill-weight", "0.5"],
 }
