@@ -9,8 +9,9 @@ memory estimate the same settings give (`recover --dry-run`, mha2mla/train/memor
 Every run is the CLI in a child process (``os.wait4`` gives its ``ru_maxrss``, the figure ``/usr/bin/time -v``
 prints). The estimate leaves out what the process holds before the run (torch, transformers, peft, accelerate and
 the package imported): a child that only imports them measures that, and ``estimate + libraries`` is what is held
-against the measured peak. tokens/s is the median of the run's own per-step figures (its ``train_log.jsonl``)
-after the first step.
+against the measured peak. Each run evaluates on its held-out rows at the start, half-way and at the end and saves a
+resume checkpoint half-way, as a real run does every ``eval_every`` / ``save_every`` steps: the peak covers those. tokens/s is the
+median of the run's own per-step figures (its ``train_log.jsonl``) after the first step.
 
 The SmolLM2 cases train the default 12.5% conversion (``.cache/converted/smollm2-135m-kv0.125``, see
 docs/benchmarks.md "Healing") on the healing text, at the healing recipe's shape (4 x 512 tokens, every decoder
@@ -115,8 +116,9 @@ def run_case(case: str, tree: Path, args, work: Path, libraries: int) -> dict:
     model, teacher = model_and_teacher(case, work)
     data = harness.cache_path("text", "healing_balanced.jsonl")
     out = Path(tempfile.mkdtemp(prefix="recover_memory_", dir=work)) / "out"
+    half = max(1, args.steps // 2)  # a held-out evaluation and a checkpoint half-way, as a real run has them
     command = [sys.executable, "-c", CLI, "recover", str(model), "--data", str(data), "--out", str(out),
-               "--max-steps", str(args.steps), "--eval-sequences", "0", "--save-every", "0", "--no-progress",
+               "--max-steps", str(args.steps), "--eval-every", str(half), "--save-every", str(half), "--no-progress",
                *CASES[case], *(["--teacher", str(teacher)] if teacher is not None else [])]
     estimate = None  # a baseline commit may predate --dry-run
     if tree == REPO:

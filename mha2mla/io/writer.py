@@ -41,6 +41,28 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.numpy().tobytes()
 
 
+def _header(entries: list[_Entry]) -> bytes:
+    """The safetensors header of ``entries`` laid out back to back in their order: 8-byte little-endian length, then
+    the JSON padded with spaces to 8 bytes."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for entry in entries:
+        header[entry.name] = {"dtype": entry.dtype, "shape": entry.shape, "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return len(encoded).to_bytes(8, "little") + encoded
+
+
+def write_safetensors(handle, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` as one safetensors file into the open binary file ``handle``, a tensor at a time: memory holds at
+    most one tensor's bytes beside the tensors (safetensors' own ``save`` builds the whole file in memory first)."""
+    entries = [_Entry(name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape), 0, tensor.numel() * tensor.element_size())
+               for name, tensor in tensors.items()]
+    handle.write(_header(entries))
+    for tensor in tensors.values():
+        handle.write(tensor_bytes(tensor))
+
+
 class ShardedWriter:
     """``add`` tensors one by one; ``finish`` writes ``model.safetensors`` (one shard) or
     ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``."""
@@ -71,15 +93,8 @@ class ShardedWriter:
         self.total_bytes += len(data)
 
     def _write_shard(self, entries: list[_Entry], path: Path, spool) -> None:
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for entry in entries:
-            header[entry.name] = {"dtype": entry.dtype, "shape": entry.shape, "data_offsets": [offset, offset + entry.nbytes]}
-            offset += entry.nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)
         with open(path, "wb") as out:
-            out.write(len(encoded).to_bytes(8, "little"))
-            out.write(encoded)
+            out.write(_header(entries))
             for entry in entries:
                 spool.seek(entry.spool_offset)
                 remaining = entry.nbytes

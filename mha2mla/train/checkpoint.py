@@ -13,7 +13,6 @@ leaves the previous checkpoint complete. Before a resume every file of the check
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -25,11 +24,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from mha2mla import UserError
 from mha2mla.io.model_folder import RECOVER_CONFIG
 from mha2mla.io.output import remove_stale, staging_path, write_errors
+from mha2mla.io.writer import write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +98,50 @@ def newest_complete(out: Path, rank: int = 0, last_step: int | None = None) -> t
     return None
 
 
-def _file_bytes(obj) -> bytes:
-    """``torch.save`` into memory: written through Python, a full disk is an OSError naming its errno (torch's own
-    file writer loses it)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+class _KeepsWriteErrors:
+    """The file ``torch.save`` writes through, keeping the OSError a write raised: torch turns it into a
+    RuntimeError without the errno, and a full disk is to be one sentence naming it."""
+
+    def __init__(self, handle):
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def _torch_file(obj):
+    """A writer of ``obj`` with ``torch.save`` into an open file, straight from its tensors (no copy of the whole
+    state in memory: an optimizer's moments are twice the trainable weights)."""
+    def write(handle) -> None:
+        kept = _KeepsWriteErrors(handle)
+        try:
+            torch.save(obj, kept)
+        except RuntimeError:
+            if kept.error is not None:
+                raise kept.error from None
+            raise
+    return write
+
+
+def _safetensors_file(tensors: dict[str, torch.Tensor]):
+    """A writer of ``tensors`` as one safetensors file, a tensor at a time (io/writer.py)."""
+    return lambda handle: write_safetensors(handle, {name: value.contiguous() for name, value in tensors.items()})
+
+
+def _write_synced(path: Path, data) -> None:
+    """Write ``data`` (bytes, or a writer: a function of the open file) to ``path`` and fsync it."""
     with open(path, "wb") as handle:
-        handle.write(data)
+        if callable(data):
+            data(handle)
+        else:
+            handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -131,12 +163,12 @@ def _hold_here(step: int, staging: Path) -> None:
 
 def _write_files(staging: Path, step: int, trainable, optimizer_state, scheduler_state, trainer_state, rng_states,
                  adapter_model) -> None:
-    _write_synced(staging / TRAINABLE_FILE, save_safetensors({k: v.contiguous() for k, v in trainable.items()}))
-    _write_synced(staging / OPTIMIZER_FILE, _file_bytes(optimizer_state))
+    _write_synced(staging / TRAINABLE_FILE, _safetensors_file(trainable))
+    _write_synced(staging / OPTIMIZER_FILE, _torch_file(optimizer_state))
     _hold_here(step, staging)
-    _write_synced(staging / SCHEDULER_FILE, _file_bytes(scheduler_state))
+    _write_synced(staging / SCHEDULER_FILE, _torch_file(scheduler_state))
     for rank, state in enumerate(rng_states):
-        _write_synced(staging / f"rng_state_{rank}.pt", _file_bytes(state))
+        _write_synced(staging / f"rng_state_{rank}.pt", _torch_file(state))
     if adapter_model is not None:  # the peft adapter, loadable on its own with PeftModel.from_pretrained; its
         # tensors are the ones given (gathered from every process under FSDP), not the model's own (maybe shards)
         adapter_model.save_pretrained(str(staging / "adapter"), state_dict=trainable)

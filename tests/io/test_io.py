@@ -169,3 +169,23 @@ def test_gguf_cache_fills_once_under_a_lock(gguf_file, monkeypatch):
     waiting.join(10)
     assert not waiting.is_alive() and not calls
     assert source.gguf_to_folder(gguf_file) == target and not calls
+
+
+def test_write_safetensors_streams_a_file_safetensors_reads_back(tmp_path):
+    """The checkpoints' writer: every dtype it names, a scalar and an empty tensor, read back by safetensors itself."""
+    from safetensors.torch import load_file
+
+    from mha2mla.io.writer import write_safetensors
+
+    torch.manual_seed(0)
+    tensors = {"b.weight": torch.randn(5, 3, dtype=torch.bfloat16), "a.float": torch.randn(7),
+               "c.half": torch.randn(2, 2).half(), "d.double": torch.randn(3, dtype=torch.float64),
+               "e.long": torch.arange(4), "f.mask": torch.tensor([True, False, True]), "g.scalar": torch.tensor(2.5),
+               "h.empty": torch.zeros(0, 4)}
+    with open(tmp_path / "t.safetensors", "wb") as handle:
+        write_safetensors(handle, tensors)
+    back = load_file(tmp_path / "t.safetensors")
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
+        assert torch.equal(back[name], tensor), name

@@ -101,3 +101,25 @@ def test_final_hidden_projects_nothing_and_is_what_the_lm_head_reads(pair):
     torch.testing.assert_close(F.linear(hidden, student.get_output_embeddings().weight), logits, rtol=1e-6, atol=1e-6)
     assert seen["i"] is not None and seen["o"].shape[-1] == student.config.vocab_size
 
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_held_out_perplexity_against_the_lm_head_in_chunks_equals_the_whole_logits_one(pair, dtype, rtol):
+    """Recovery's held-out evaluation scores against the lm_head in chunks (no (B, L, V) logits): the same
+    perplexity as ``batch_nll`` on the whole logits, the FSDP path, which scores segment starts out as well."""
+    from accelerate import Accelerator
+
+    from mha2mla.train.data import pack_token_lists
+    from mha2mla.train.evaluate import packed_perplexity
+
+    student = pair[0]
+    torch.manual_seed(5)
+    rows = pack_token_lists([torch.randint(1, 256, (n,)).tolist() for n in (30, 17, 44, 25, 12, 50)], seq_len=24)
+    accelerator = Accelerator(cpu=True)
+    student.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        chunked = packed_perplexity(student, rows, 2, accelerator, sharded=False)
+        whole = packed_perplexity(student, rows, 2, accelerator, sharded=True)
+    assert student.training  # put back as it was
+    assert len(rows) >= 4 and 1 < whole < 1e4
+    assert chunked == pytest.approx(whole, rel=rtol)

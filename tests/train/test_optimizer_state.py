@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
+import pytest
 import torch
 from accelerate.utils import DistributedType
 
@@ -47,3 +48,27 @@ def test_a_fused_checkpoint_resumes_into_the_plain_loop_and_steps_as_the_fused_o
         optimizer.step()
     torch.testing.assert_close(resumed_param, param, rtol=0, atol=0)  # the two kernels round alike here
     assert not torch.equal(param.detach(), _stepped(fused=True)[0].detach())  # the third step moved it
+
+
+def test_a_full_disk_while_torch_saves_a_checkpoint_file_is_the_oserror_itself():
+    """torch.save turns its file's OSError into a RuntimeError without the errno; the checkpoint writer gives the
+    OSError back, so the run's one sentence names the full disk (tests/cli/test_reliability.py)."""
+    import errno
+
+    from mha2mla.train.checkpoint import _torch_file
+
+    class FullDisk:
+        written = 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return len(data)
+
+        def flush(self):
+            pass
+
+    with pytest.raises(OSError) as raised:
+        _torch_file({"exp_avg": torch.zeros(100_000)})(FullDisk())
+    assert raised.value.errno == errno.ENOSPC
