@@ -38,9 +38,10 @@ def is_sharded(accelerator: Accelerator) -> bool:
 
 def gathered_trainable(model, accelerator: Accelerator) -> dict:
     """Every trainable parameter by name, as full CPU tensors (under FSDP every process must call this; only the
-    main process receives the tensors)."""
+    main process receives the tensors). On one process the parameters themselves when they are on the CPU (a
+    checkpoint writes them before the next step changes them; a copy would double the trainable weights)."""
     if not is_sharded(accelerator):
-        return {name: param.detach().cpu().clone() for name, param in accelerator.unwrap_model(model).named_parameters()
+        return {name: param.detach().cpu() for name, param in accelerator.unwrap_model(model).named_parameters()
                 if param.requires_grad}
     return get_model_state_dict(model, options=GATHER)
 

@@ -211,14 +211,20 @@ class RecoveryRun:
                         report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.devices.device) / 1024**3, 3)
                     return report
                 if periodic and config.save_every and step % config.save_every == 0:  # OUT/checkpoints/step-NNNNNN
-                    trainable, optimizer_state, rng_states = gathered_state(self.model, self.optimizer.optimizer,
-                                                                            self.param_names, accelerator)
-                    if self.is_main:  # the peft adapter beside the tensors, with the rows' own position
-                        adapter = None if config.adapter is None else accelerator.unwrap_model(self.model)
-                        ckpt.save_checkpoint(config.out_path, step, trainable, optimizer_state, self.scheduler.state_dict(),
-                                             {**state, "data": train_rows.state_dict()}, rng_states, adapter,
-                                             config.keep_checkpoints)
-                    accelerator.wait_for_everyone()
+                    self._save_checkpoint(step, {**state, "data": train_rows.state_dict()})
+
+    def _save_checkpoint(self, step: int, trainer_state: dict) -> None:
+        """Write ``OUT/checkpoints/step-NNNNNN`` (every process gathers, the main one writes): the peft adapter beside
+        the tensors, ``trainer_state`` with the rows' own position. What was gathered is let go on return (on one
+        process it is the live tensors, not copies)."""
+        config, accelerator = self.config, self.accelerator
+        trainable, optimizer_state, rng_states = gathered_state(self.model, self.optimizer.optimizer, self.param_names,
+                                                                accelerator)
+        if self.is_main:
+            adapter = None if config.adapter is None else accelerator.unwrap_model(self.model)
+            ckpt.save_checkpoint(config.out_path, step, trainable, optimizer_state, self.scheduler.state_dict(),
+                                 trainer_state, rng_states, adapter, config.keep_checkpoints)
+        accelerator.wait_for_everyone()
 
     def export(self, report: dict) -> None:
         """Merge the adapter and write the native DeepSeek-V3 checkpoint to OUT with ``report`` (main process; the
