@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,10 +128,11 @@ def run_case(case: str, tree: Path, args, work: Path, libraries: int) -> dict:
             raise SystemExit(f"error: the dry run of {case} failed:\n{text[-2000:]}")
         estimate = estimate_gib(text)
     code, peak, text = child(command, tree)
+    log_lines = (out / "train_log.jsonl").read_text().splitlines() if (out / "train_log.jsonl").is_file() else []
+    shutil.rmtree(out.parent)  # the run's model and checkpoints: a 70B-wide layer's are gigabytes
     if code:
         raise SystemExit(f"error: {case} failed:\n{text[-3000:]}")
-    rates = [json.loads(line)["tokens_per_second"] for line in (out / "train_log.jsonl").read_text().splitlines()
-             if "tokens_per_second" in line]
+    rates = [json.loads(line)["tokens_per_second"] for line in log_lines if "tokens_per_second" in line]
     ratio = None if estimate is None else round((estimate + libraries / GIB) / (peak / GIB), 3)
     return {"case": case, "tree": "checkout" if tree == REPO else tree.name, "peak GiB": round(peak / GIB, 2),
             "libraries GiB": round(libraries / GIB, 2), "estimate GiB": estimate, "estimate + libraries / peak": ratio,
