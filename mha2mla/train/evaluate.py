@@ -31,9 +31,10 @@ def _batch_nll(model, unwrapped, batch: dict[str, torch.Tensor], mask: torch.Ten
 def packed_perplexity(model, rows: PackedSequences, batch_size: int, accelerator: Accelerator,
                       sharded: bool = False) -> float:
     """Perplexity of ``model`` over packed ``rows`` (segment starts are not targets), scored as the project's
-    ``batch_nll`` scores (in lm_head chunks; under FSDP ``batch_nll`` itself): each process takes every P-th row and the sums are reduced across processes. Under FSDP
-    (``sharded``) a forward gathers weights from every process, so all run the same number of batches: one whose
-    rows have run out scores row 0 again and leaves it out of the sums."""
+    ``batch_nll`` scores (in lm_head chunks; under FSDP ``batch_nll`` itself): each process takes every P-th row and
+    the sums are reduced across processes. Under FSDP (``sharded``) a forward gathers weights from every process, so
+    all run the same number of batches: one whose rows have run out scores row 0 again and leaves it out of the
+    sums."""
     was_training, unwrapped = model.training, accelerator.unwrap_model(model)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
