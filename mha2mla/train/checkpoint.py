@@ -130,18 +130,10 @@ def _torch_file(obj):
     return write
 
 
-def _safetensors_file(tensors: dict[str, torch.Tensor]):
-    """A writer of ``tensors`` as one safetensors file, a tensor at a time (io/writer.py)."""
-    return lambda handle: write_safetensors(handle, {name: value.contiguous() for name, value in tensors.items()})
-
-
-def _write_synced(path: Path, data) -> None:
-    """Write ``data`` (bytes, or a writer: a function of the open file) to ``path`` and fsync it."""
+def _write_synced(path: Path, write) -> None:
+    """``write`` (a function of the open file) into ``path``, then fsync it."""
     with open(path, "wb") as handle:
-        if callable(data):
-            data(handle)
-        else:
-            handle.write(data)
+        write(handle)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -163,7 +155,7 @@ def _hold_here(step: int, staging: Path) -> None:
 
 def _write_files(staging: Path, step: int, trainable, optimizer_state, scheduler_state, trainer_state, rng_states,
                  adapter_model) -> None:
-    _write_synced(staging / TRAINABLE_FILE, _safetensors_file(trainable))
+    _write_synced(staging / TRAINABLE_FILE, lambda handle: write_safetensors(handle, trainable))  # tensor by tensor
     _write_synced(staging / OPTIMIZER_FILE, _torch_file(optimizer_state))
     _hold_here(step, staging)
     _write_synced(staging / SCHEDULER_FILE, _torch_file(scheduler_state))
@@ -172,7 +164,7 @@ def _write_files(staging: Path, step: int, trainable, optimizer_state, scheduler
     if adapter_model is not None:  # the peft adapter, loadable on its own with PeftModel.from_pretrained; its
         # tensors are the ones given (gathered from every process under FSDP), not the model's own (maybe shards)
         adapter_model.save_pretrained(str(staging / "adapter"), state_dict=trainable)
-    _write_synced(staging / STATE_FILE, (json.dumps(trainer_state, indent=2) + "\n").encode())
+    _write_synced(staging / STATE_FILE, lambda handle: handle.write((json.dumps(trainer_state, indent=2) + "\n").encode()))
     _sync_folder(staging)
 
 
