@@ -111,8 +111,9 @@ class RecoverConfig(BaseModel):
         "fast as SDPA for this GPU, compute dtype and head dims, SDPA elsewhere (docs/kernels.md)")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="what the forwards and backwards compute in: bfloat16 (autocast over float32 trainable and "
-        "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, float32 on a CPU "
-        "(where bf16 recovery has not been measured within 2% of float32: docs/benchmarks.md)")
+        "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, and on a CPU that "
+        "multiplies bf16 natively when the parameters train in full; float32 with LoRA on a CPU, where bf16 made "
+        "the model worse (docs/benchmarks.md, \"Compute dtype in recovery\")")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="recompute activations in the backward pass instead of keeping them: selective keeps only "
         "the matrix products' and attention's outputs (recomputes norms, casts, rotary, activations), full keeps only "
