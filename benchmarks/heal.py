@@ -11,6 +11,7 @@ debian_policy_mc (their items, scored as lm-eval scores them).
     python benchmarks/heal.py score NAME [NAME ...] [--converted PATH ...] [--items N]   # JSON + Markdown table
     python benchmarks/heal.py curve NAME --converted PATH | mix --generated FOLDER  # along a run's checkpoints | mix
     python benchmarks/heal.py regions NAME [NAME ...] [--converted PATH ...] # × source along each text
+    python benchmarks/heal.py step --converted PATH [--lr 2.5e-4]     # one AdamW-sized step per kind of weight
 
 ``run`` passes everything after ``--`` to `mha2mla recover` (data, held-out curve slice, seq len 512 and the
 output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text: the run's default healing
@@ -156,6 +157,46 @@ def model_scores(folder: Path | str, num_tokens: int, state: dict | None = None,
     return scores
 
 
+def step(converted: str, lr: float, json_out: str | None = None) -> None:
+    """How one AdamW-sized step moves the loss, weight kind by weight kind: the first AdamW step moves every entry
+    by the learning rate against its gradient's sign, so each kind (q_proj, kv_b_proj, ... over every layer) is
+    stepped alone by ``lr`` times the sign of the LM loss's gradient on 4 × 512 tokens of the general healing text,
+    the loss measured, the kind put back; the model as converted and with its latents balanced
+    (mha2mla.train.model.balance_latent_scales, what recover trains)."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mha2mla.train.healing_data import general_data_path
+    from mha2mla.train.model import balance_latent_scales
+
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    documents = [json.loads(line)["text"] for line in general_data_path().read_text(encoding="utf-8").splitlines()[:40]]
+    ids = tokenizer("\n\n".join(documents), return_tensors="pt").input_ids[:, :2048].reshape(4, 512)
+    rows = {}
+    for form in ("converted", "balanced"):
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+        if form == "balanced":
+            balance_latent_scales(model)
+        model(ids, labels=ids).loss.backward()
+        kinds: dict[str, list] = {}
+        for name, param in model.named_parameters():
+            if "layers." in name:
+                kinds.setdefault(re.sub(r"model\.layers\.\d+\.", "", name), []).append(param)
+        with torch.no_grad():
+            rows.setdefault("none", {"kind": "none"})[form] = round(float(model(ids, labels=ids).loss), 4)
+            for kind, params in kinds.items():
+                kept = [param.detach().clone() for param in params]
+                for param in params:
+                    param.sub_(lr * param.grad.sign())
+                rows.setdefault(kind, {"kind": kind})[form] = round(float(model(ids, labels=ids).loss), 4)
+                for param, value in zip(params, kept):
+                    param.copy_(value)
+    harness.report("heal-step", {"converted": converted, "lr": lr, "tokens": 2048}, list(rows.values()), json_out,
+                   columns=["kind", "converted", "balanced"])
+
+
 def _ratios(scores: dict, source: dict) -> dict:
     """Each slice's perplexity as a multiple of the source's, each task's accuracy minus the source's (points)."""
     return {**{name: round(scores[name] / source[name], 3) for name in DOMAINS},
@@ -264,7 +305,7 @@ def main() -> None:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["prepare", "run", "score", "curve", "mix", "regions"])
+    parser.add_argument("step", choices=["prepare", "run", "score", "curve", "mix", "regions", "step"])
     parser.add_argument("names", nargs="*")
     parser.add_argument("--converted", action="append", default=[])
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: $MHA2MLA_CACHE/heal)")
@@ -272,6 +313,8 @@ def main() -> None:
     parser.add_argument("--no-data", action="store_true", help="no --data: the default healing text")
     parser.add_argument("--slice-tokens", type=int, default=None, help="tokens scored per slice (score: "
                         f"{SLICE_TOKENS}, curve: {CURVE_SCORE_TOKENS})")
+    parser.add_argument("--lr", type=float, default=2.5e-4, help="step: the step's size (AdamW's first step "
+                        "moves every entry by the learning rate)")
     parser.add_argument("--every", type=int, default=1, help="curve: the checkpoints of every N-th step only")
     parser.add_argument("--items", type=int, default=None, help="score: the first N items of each continuation "
                         "task (score: default all 100; curve: default 0, none)")
@@ -282,6 +325,9 @@ def main() -> None:
         prepare(args.work)
     elif args.step in ("run", "curve") and (len(args.names) != 1 or len(args.converted) != 1):
         parser.error(f"{args.step} takes one NAME and one --converted")
+    elif args.step == "step":
+        step(args.converted[0], args.lr, args.json_out) if len(args.converted) == 1 else parser.error(
+            "step takes one --converted")
     elif args.step == "run":
         run(args.work, args.names[0], args.converted[0], extra, args.no_data)
     elif args.step == "mix":

@@ -65,7 +65,31 @@ def build_student(folder: str | Path, model_config: dict, attn_implementation: s
     implementation = mla_attention_for(model_config, name)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=implementation)
     model.config.use_cache = False
+    balance_latent_scales(model)
     return model
+
+
+def _rms(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().float().pow(2).mean().sqrt())
+
+
+@torch.no_grad()
+def balance_latent_scales(model) -> None:
+    """Each attention's latent brought to the scale of the hidden state its layer reads, the inverse folded into the
+    up-projection that reads it: W_up (w * n(c)) = (s W_up) ((w / s) * n(c)), the same function (s: the RMS of the
+    latent norm's weight over that of the layer's input norm). AdamW moves every entry by about the learning rate
+    whatever the entry's scale, so an up-projection that reads a latent s times larger than the other projections'
+    inputs changes its output s times faster than they do: at the recipes' learning rate that broke a converted
+    SmolLM2 in training (docs/recover.md, "Stability"). The same for the query latent where the model has one."""
+    for layer in model.model.layers:
+        attention, reference = layer.self_attn, _rms(layer.input_layernorm.weight)
+        for norm_name, up_name in (("kv_a_layernorm", "kv_b_proj"), ("q_a_layernorm", "q_b_proj")):
+            norm, up = getattr(attention, norm_name, None), getattr(attention, up_name, None)
+            if norm is None or up is None or reference == 0 or _rms(norm.weight) == 0:
+                continue
+            scale = _rms(norm.weight) / reference
+            norm.weight.div_(scale)
+            up.weight.mul_(scale)
 
 
 # the teacher side moved to teacher.py; tests/train/test_generated_text.py (another suite) still imports it from here

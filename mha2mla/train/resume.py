@@ -52,6 +52,15 @@ def check_same_run(config: RecoverConfig, folder: Path) -> None:
         raise UserError(f"cannot resume: settings differ from the interrupted run ({', '.join(changed)}); use the same options.")
 
 
+def _balanced(path: Path, saved: dict) -> tuple[Path, dict]:
+    """A checkpoint trained on balanced latents (model.balance_latent_scales), as the run now loads the model: an
+    older one holds weights of the other form, which would not fit the reloaded frozen ones."""
+    if not saved["state"].get("balanced_latents"):
+        raise UserError(f"{path} was written by an mha2mla recover from before balanced latents (docs/recover.md, "
+                        "\"Stability\"); finish that run with the version that started it, or start it again.")
+    return path, saved
+
+
 def restore(config: RecoverConfig, resume: str | None, settings: dict, last_step: int,
             rank: int = 0) -> tuple[Path | None, dict | None]:
     """The checkpoint a run continues from and what it holds, every file read back (None, None: a fresh run), after
@@ -88,9 +97,9 @@ def restore(config: RecoverConfig, resume: str | None, settings: dict, last_step
         raise UserError(f"cannot resume: settings differ from the interrupted run ({', '.join(changed)}); use the same options.")
     if resume == "auto":
         found = ckpt.newest_complete(out, rank, last_step)
-        return found if found is not None else (None, None)
+        return _balanced(*found) if found is not None else (None, None)
     try:
-        return chosen, ckpt.load_checkpoint(chosen, rank, last_step)
+        return _balanced(chosen, ckpt.load_checkpoint(chosen, rank, last_step))
     except ckpt.DamagedCheckpoint as error:
         raise UserError(f"{str(error).removesuffix('.')}; resume from an earlier checkpoint, or use --resume auto "
                         "to take the newest complete one.") from None

@@ -71,7 +71,8 @@ class TimeBudget:
 
 def fresh_state() -> dict:
     """What a checkpoint's ``trainer_state.json`` holds: the step, the data position, and the curves so far."""
-    return {"step": 0, "rows_consumed": 0, "tokens_trained": 0, "train_seconds": 0.0, "losses": [], "evaluations": []}
+    return {"step": 0, "rows_consumed": 0, "tokens_trained": 0, "train_seconds": 0.0, "losses": [], "evaluations": [],
+            "balanced_latents": True}  # the form the weights train in (model.balance_latent_scales; resume.py checks)
 
 
 class RecoveryRun:
@@ -148,8 +149,9 @@ class RecoveryRun:
                 losses = self._losses(micro)
                 accelerator.backward(losses[0] / count)
             parts += torch.tensor([part.item() for part in losses], dtype=torch.float64)
+        norm = None  # the gradients' norm before clipping, logged: a loss spike shows there first
         if config.max_grad_norm is not None:
-            accelerator.clip_grad_norm_(self.params, config.max_grad_norm)
+            norm = accelerator.clip_grad_norm_(self.params, config.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -159,6 +161,8 @@ class RecoveryRun:
         result = {"loss": float(parts[0]), "lm_loss": float(parts[1]), "lr": self.scheduler.get_last_lr()[0]}
         if self.teacher is not None:
             result["distill_loss"] = float(parts[2])
+        if norm is not None:
+            result["grad_norm"] = float(norm)
         return result
 
     def train(self, train_rows, held_out, state: dict, resumed_from: Path | None = None,

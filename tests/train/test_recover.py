@@ -266,7 +266,9 @@ def test_train_step_trains_a_source_model_with_lora_settings(tmp_path):
     assert trainable and all("lora_" in name for name in trainable)
     batch = pack_token_lists([list(range(1, 300))], seq_len=16).rows(slice(0, 4))  # 2 micro-batches of 2 rows
     results = [recipe.train_step(batch) for _ in range(6)]
-    assert set(results[0]) == {"loss", "lm_loss", "lr"}
+    assert set(results[0]) == {"loss", "lm_loss", "lr", "grad_norm"}
+    assert all(0 < result["grad_norm"] < float("inf") for result in results)  # before clipping: above 1 at first
+    assert results[0]["grad_norm"] > 1
     assert results[-1]["loss"] < 0.8 * results[0]["loss"]
     assert results[-1]["lr"] < results[0]["lr"]  # the cosine schedule moved once per step
     with pytest.raises(ValueError, match="micro-batches"):

@@ -1,0 +1,78 @@
+"""The student's latents brought to the scale of their layer's input before training (model.balance_latent_scales):
+the same function, the latent norm's weight at the input norm's RMS, the up-projection carrying the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import tiny_deepseek_config
+from transformers import AutoModelForCausalLM
+
+from mha2mla.train.model import load_student
+
+
+def _rms(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 32])
+def test_the_latents_are_balanced_and_the_logits_unchanged(tmp_path, q_lora_rank):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(q_lora_rank=q_lora_rank))
+    with torch.no_grad():  # a converted model's shape of scales: a large latent norm, a small up-projection
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            layer.input_layernorm.weight.uniform_(0.01, 0.05)
+            pairs = [(attention.kv_a_layernorm, attention.kv_b_proj)]
+            pairs += [(attention.q_a_layernorm, attention.q_b_proj)] if q_lora_rank else []
+            for norm, up in pairs:
+                norm.weight.uniform_(0.8, 1.6)
+                up.weight.mul_(0.05)
+    model.save_pretrained(tmp_path / "model")
+    tokens = torch.randint(0, 384, (2, 24))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)(tokens).logits
+        student = load_student(tmp_path / "model")
+        student.eval()
+        torch.testing.assert_close(student(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    for layer, before in zip(student.model.layers, model.model.layers):
+        reference = _rms(layer.input_layernorm.weight)
+        attention, original = layer.self_attn, before.self_attn
+        assert _rms(attention.kv_a_layernorm.weight) == pytest.approx(reference, rel=1e-5)
+        scale = _rms(original.kv_a_layernorm.weight) / reference
+        assert scale > 20  # the test's latents were far larger than the input
+        torch.testing.assert_close(attention.kv_b_proj.weight, original.kv_b_proj.weight * scale)
+        if q_lora_rank:
+            assert _rms(attention.q_a_layernorm.weight) == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_checkpoint_from_before_balanced_latents_is_refused_in_one_sentence(tiny_mla, tmp_path):
+    import json
+    import shutil
+
+    from common import SAMPLE_TEXT
+
+    from mha2mla import UserError
+    from mha2mla.train import RecoverConfig, recover
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (corpus / name).write_text(SAMPLE_TEXT * 4)
+    out = tmp_path / "out"
+    settings = {"model": str(tiny_mla), "data": [str(corpus)], "out": str(out), "seq_len": 32, "batch_size": 2,
+                "max_steps": 4, "lora": {"rank": 4}, "eval_sequences": 2, "eval_every": 0, "save_every": 2,
+                "keep_checkpoints_after_run": True}
+    recover(RecoverConfig(**settings), show_progress=False)
+    for path in out.iterdir():  # what a run killed after its step-2 checkpoint leaves
+        if path.name not in ("checkpoints", "recover_config.json", "train_log.jsonl"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    shutil.rmtree(out / "checkpoints" / "step-000004", ignore_errors=True)
+    state_file = out / "checkpoints" / "step-000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["balanced_latents"] is True
+    del state["balanced_latents"]  # as an earlier version wrote it
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(UserError, match="from before balanced latents") as error:
+        recover(RecoverConfig(**settings), resume="auto", show_progress=False)
+    assert "\n" not in str(error.value)
