@@ -85,9 +85,9 @@ def balance_latent_scales(model) -> None:
         attention, reference = layer.self_attn, _rms(layer.input_layernorm.weight)
         for norm_name, up_name in (("kv_a_layernorm", "kv_b_proj"), ("q_a_layernorm", "q_b_proj")):
             norm, up = getattr(attention, norm_name, None), getattr(attention, up_name, None)
-            if norm is None or up is None or reference == 0 or _rms(norm.weight) == 0:
+            scale = 0.0 if norm is None or up is None or reference == 0 else _rms(norm.weight) / reference
+            if scale == 0:
                 continue
-            scale = _rms(norm.weight) / reference
             norm.weight.div_(scale)
             up.weight.mul_(scale)
 
