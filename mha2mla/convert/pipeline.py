@@ -35,6 +35,7 @@ from mha2mla.convert.plan.engines import engine_violations
 from mha2mla.convert.plan.resolve import ConversionPlan, make_plan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.convert.steps.attention import convert_attention
+from mha2mla.convert.steps.norm import balance_latent
 from mha2mla.convert.steps.records import LayerStatistics, LayerWork
 from mha2mla.devices import check_device
 from mha2mla.families import family_for_config
@@ -124,7 +125,7 @@ def convert(
 def _convert_layer(reader: SourceReader, layer: int, stream: CalibrationStream | None) -> LayerWork:
     """One layer's attention: the stream enters the layer and measures it (no statistics on the weight-only path),
     the plan's steps convert it, and the stream advances through it (through the converted attention when
-    sequential)."""
+    sequential); the latent is written balanced against the layer's input (steps/norm.balance_latent)."""
     plan = reader.plan
     activations = stream.enter(layer) if stream is not None else None
     stats = measure(activations) if activations is not None else LayerStatistics()
@@ -132,7 +133,7 @@ def _convert_layer(reader: SourceReader, layer: int, stream: CalibrationStream |
     tensors = convert_attention(work)
     if stream is not None:
         stream.advance(activations, work.tensors if plan.methods.sequential else None)
-    work.tensors = tensors
+    work.tensors = balance_latent(tensors, work.source.input_norm_weight, plan.kv_lora_rank)
     return work
 
 

@@ -25,3 +25,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, keep_float32: bo
     if keep_float32:
         return weight * normalised
     return weight * normalised.to(x.dtype)
+
+
+def latent_scale_ratio(norm_weight: torch.Tensor, reference_weight: torch.Tensor) -> float:
+    """How much larger a latent norm's output is than the hidden state its layer's projections read: the RMS of the
+    latent norm's weight over that of the layer's input norm (both normalise to unit RMS, so their weights set the
+    scales); 0 where either weight is all zeros. An up-projection reading a latent s times larger than the other
+    projections' inputs changes its output s times faster under AdamW, whose steps are about the learning rate
+    whatever the weights' scale (docs/recover.md, "Stability"): ``W_up (w * n(c)) = (s W_up) ((w / s) * n(c))``
+    moves s into the up-projection and leaves the function unchanged."""
+    norm_rms = float(norm_weight.detach().double().pow(2).mean().sqrt())
+    reference_rms = float(reference_weight.detach().double().pow(2).mean().sqrt())
+    return norm_rms / reference_rms if norm_rms > 0 and reference_rms > 0 else 0.0
+
+
+def normalises(down_weight: torch.Tensor, down_bias: torch.Tensor | None, channels: int) -> bool:
+    """Whether a latent norm really normalises its first ``channels`` inputs: not when a constant channel (a zero
+    weight row with a bias) dominates the RMS it divides by, as in the exact profile's neutralised norm
+    (mha2mla/convert/steps/norm.py), which passes the latent through at its own scale."""
+    if down_bias is None:
+        return True
+    rows, bias = down_weight[:channels].detach(), down_bias[:channels].detach()
+    constant = (rows == 0).all(dim=1) & (bias != 0)
+    return not bool(constant.any())

@@ -11,6 +11,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 
 from mha2mla import UserError
 from mha2mla.io.model_folder import check_model_folder
+from mha2mla.modeling.rmsnorm import latent_scale_ratio, normalises
 from mha2mla.modeling.sdpa import mla_attention_for
 
 TRITON_ATTENTION = "mha2mla_triton"
@@ -69,27 +70,27 @@ def build_student(folder: str | Path, model_config: dict, attn_implementation: s
     return model
 
 
-def _rms(tensor: torch.Tensor) -> float:
-    return float(tensor.detach().float().pow(2).mean().sqrt())
-
-
 @torch.no_grad()
 def balance_latent_scales(model) -> None:
     """Each attention's latent brought to the scale of the hidden state its layer reads, the inverse folded into the
-    up-projection that reads it: W_up (w * n(c)) = (s W_up) ((w / s) * n(c)), the same function (s: the RMS of the
-    latent norm's weight over that of the layer's input norm). AdamW moves every entry by about the learning rate
-    whatever the entry's scale, so an up-projection that reads a latent s times larger than the other projections'
-    inputs changes its output s times faster than they do: at the recipes' learning rate that broke a converted
-    SmolLM2 in training (docs/recover.md, "Stability"). The same for the query latent where the model has one."""
+    up-projection that reads it: W_up (w * n(c)) = (s W_up) ((w / s) * n(c)), the same function (s:
+    rmsnorm.latent_scale_ratio). An up-projection reading a latent s times larger than the other projections'
+    inputs changes its output s times faster under AdamW: at the recipes' learning rate that broke a converted
+    SmolLM2 in training (docs/recover.md, "Stability"). The same for the query latent where the model has one. A
+    neutralised norm (the exact profile's) passes its latent through at its own scale and is left as it is."""
+    config = model.config
     for layer in model.model.layers:
-        attention, reference = layer.self_attn, _rms(layer.input_layernorm.weight)
-        for norm_name, up_name in (("kv_a_layernorm", "kv_b_proj"), ("q_a_layernorm", "q_b_proj")):
-            norm, up = getattr(attention, norm_name, None), getattr(attention, up_name, None)
-            scale = 0.0 if norm is None or up is None or reference == 0 else _rms(norm.weight) / reference
-            if scale == 0:
+        attention, reference = layer.self_attn, layer.input_layernorm.weight
+        for norm_name, down_name, up_name, channels in (
+                ("kv_a_layernorm", "kv_a_proj_with_mqa", "kv_b_proj", config.kv_lora_rank),
+                ("q_a_layernorm", "q_a_proj", "q_b_proj", config.q_lora_rank)):
+            norm, down, up = (getattr(attention, name, None) for name in (norm_name, down_name, up_name))
+            if norm is None or up is None or not normalises(down.weight, down.bias, channels):
                 continue
-            norm.weight.div_(scale)
-            up.weight.mul_(scale)
+            scale = latent_scale_ratio(norm.weight, reference)
+            if scale > 0:
+                norm.weight.div_(scale)
+                up.weight.mul_(scale)
 
 
 # the teacher side moved to teacher.py; tests/train/test_generated_text.py (another suite) still imports it from here

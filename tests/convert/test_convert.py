@@ -212,6 +212,37 @@ def test_checker_catches_attention_bias_tensors():
     assert len(problems) == 1 and "bias" in problems[0]
 
 
+@pytest.mark.parametrize("profile", ["portable", "exact"])
+def test_the_latent_is_written_balanced_against_the_layer_input_and_the_logits_are_unchanged(tmp_path, input_ids,
+                                                                                           monkeypatch, profile):
+    """A source whose layers read small hidden states (input norm weights of a few hundredths, as SmolLM2's): the
+    portable latent norm is written at the input norm's scale (within the power of two the factor is rounded to)
+    and the logits are exactly those of the layer written unbalanced; the exact profile's neutralised norm, which
+    does not normalise, is written as it was."""
+    import mha2mla.convert.pipeline as pipeline
+    from mha2mla.modeling.rmsnorm import latent_scale_ratio
+
+    source = build_source(tmp_path / "source", "llama", num_heads=4, num_kv_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.mul_(0.03)
+    model.save_pretrained(source)
+    options = ConvertConfig(profile=profile, kv_budget=0.25, **SMALL_CALIBRATION)
+    convert(source, tmp_path / "balanced", options, progress=False)
+    monkeypatch.setattr(pipeline, "balance_latent", lambda tensors, *_: tensors)
+    convert(source, tmp_path / "as_fitted", options, progress=False)
+    balanced, as_fitted = (AutoModelForCausalLM.from_pretrained(tmp_path / name) for name in ("balanced", "as_fitted"))
+    for layer, before in zip(balanced.model.layers, as_fitted.model.layers):
+        ratio = latent_scale_ratio(layer.self_attn.kv_a_layernorm.weight, layer.input_layernorm.weight)
+        unbalanced = latent_scale_ratio(before.self_attn.kv_a_layernorm.weight, before.input_layernorm.weight)
+        if profile == "portable":
+            assert unbalanced > 8 and 2**-0.5 <= ratio <= 2**0.5, (unbalanced, ratio)
+        else:
+            assert torch.equal(layer.self_attn.kv_a_layernorm.weight, before.self_attn.kv_a_layernorm.weight)
+    assert torch.equal(logits(tmp_path / "balanced", input_ids), logits(tmp_path / "as_fitted", input_ids))
+
+
 # --- output layout --------------------------------------------------------------------------------
 
 def test_output_folder_contents_and_sharding(sources, tmp_path, input_ids):

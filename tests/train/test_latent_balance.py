@@ -46,6 +46,25 @@ def test_the_latents_are_balanced_and_the_logits_unchanged(tmp_path, q_lora_rank
             assert _rms(attention.q_a_layernorm.weight) == pytest.approx(reference, rel=1e-5)
 
 
+def test_a_neutralised_latent_norm_is_left_as_it_is(tmp_path):
+    """The exact profile's latent norm does not normalise (a constant channel sets the RMS it divides by): its weight
+    is large but its latent passes at its own scale, so recovery leaves it and its up-projection alone."""
+    from common import build_source
+
+    from mha2mla.convert.config import ConvertConfig
+    from mha2mla.convert.pipeline import convert
+
+    source = build_source(tmp_path / "source", "llama", num_heads=4, num_kv_heads=2)
+    convert(source, tmp_path / "exact", ConvertConfig(calib=None, profile="exact", kv_budget=0.5), progress=False)
+    written = AutoModelForCausalLM.from_pretrained(tmp_path / "exact", dtype=torch.float32)
+    student = load_student(tmp_path / "exact")
+    for layer, before in zip(student.model.layers, written.model.layers):
+        assert _rms(before.self_attn.kv_a_layernorm.weight) > 100  # what a weight-based balance would have divided
+        torch.testing.assert_close(layer.self_attn.kv_a_layernorm.weight, before.self_attn.kv_a_layernorm.weight,
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(layer.self_attn.kv_b_proj.weight, before.self_attn.kv_b_proj.weight, rtol=0, atol=0)
+
+
 def test_a_checkpoint_from_before_balanced_latents_is_refused_in_one_sentence(tiny_mla, tmp_path):
     import json
     import shutil

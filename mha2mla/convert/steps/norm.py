@@ -14,12 +14,14 @@ calibration, extra stabiliser channels keep each token's RMS steady (``stabilize
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from mha2mla.convert.steps.records import LatentTensors, LayerWork
 from mha2mla.convert.steps.registry import register, require
+from mha2mla.modeling.rmsnorm import latent_scale_ratio, normalises
 
 
 def constant_for(dtype: torch.dtype) -> float:
@@ -200,3 +202,20 @@ def stabilized_latent(work: LayerWork) -> None:
     sample = require(work.stats.input_sample, "input sample", "stabilised kv_a_layernorm").to(torch.float64)
     cov = require(work.stats.input_covariance, "input covariance", "stabilised kv_a_layernorm").to(torch.float64)
     work.written = _portable_latent(work, stabilized_norm(work.latent.down, cov, sample, channels=1))
+
+
+def balance_latent(tensors: dict[str, torch.Tensor], input_norm_weight: torch.Tensor,
+                   kv_lora_rank: int) -> dict[str, torch.Tensor]:
+    """The layer's tensors with the latent norm's weight brought to the scale of the layer's input norm and the
+    inverse folded into kv_b_proj (rmsnorm.latent_scale_ratio): the same function, and a checkpoint that AdamW can
+    fine-tune at the learning rates that suit the other projections, whatever tool trains it (docs/recover.md,
+    "Stability"). The factor is the nearest power of two, so that the written values, and the logits, are those of
+    the unbalanced layer exactly, in any output dtype. A neutralised norm (exact profile) is left as it is."""
+    norm, kv_a, kv_b = (tensors[f"{name}.weight"] for name in ("kv_a_layernorm", "kv_a_proj_with_mqa", "kv_b_proj"))
+    if not normalises(kv_a, tensors.get("kv_a_proj_with_mqa.bias"), kv_lora_rank):
+        return tensors
+    ratio = latent_scale_ratio(norm, input_norm_weight)
+    if ratio == 0:
+        return tensors
+    scale = 2.0 ** round(math.log2(ratio))
+    return {**tensors, "kv_a_layernorm.weight": norm / scale, "kv_b_proj.weight": kv_b * scale}
