@@ -325,9 +325,10 @@ def main() -> None:
         prepare(args.work)
     elif args.step in ("run", "curve") and (len(args.names) != 1 or len(args.converted) != 1):
         parser.error(f"{args.step} takes one NAME and one --converted")
+    elif args.step == "step" and len(args.converted) != 1:
+        parser.error("step takes one --converted")
     elif args.step == "step":
-        step(args.converted[0], args.lr, args.json_out) if len(args.converted) == 1 else parser.error(
-            "step takes one --converted")
+        step(args.converted[0], args.lr, args.json_out)
     elif args.step == "run":
         run(args.work, args.names[0], args.converted[0], extra, args.no_data)
     elif args.step == "mix":
