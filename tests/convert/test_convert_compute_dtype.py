@@ -56,9 +56,9 @@ def test_the_stream_computes_in_bf16_and_keeps_float32_residuals(llama_source):
 
 
 def test_bf16_statistics_are_near_the_float32_ones(llama_source):
-    """A bf16 stream's per-head moments (its layer forward, hence the probabilities and the normed inputs, in bf16;
-    the moments' products float32) stay within two percent of the float32 stream's (float32 is the exact path, whose
-    moments tests/convert/test_calibration.py checks against a direct computation)."""
+    """A bf16 stream's per-head moments (its layer forward, hence the probabilities and the normed inputs, and
+    each batch's products in bf16, summed in float32) stay within two percent of the float32 stream's (float32 is
+    the exact path, whose moments tests/convert/test_calibration.py checks against a direct computation)."""
     from mha2mla.convert.calibration.measure import measure
 
     ckpt = open_source(llama_source)
@@ -98,7 +98,9 @@ def test_bf16_reconstruction_lowers_the_error_with_float32_masters(llama_source,
         assert ours["reconstruction_error_after"] == pytest.approx(exact["reconstruction_error_after"], rel=0.1)
     ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))
     fp32, bf16 = (logits(tmp_path / d, ids) for d in ("float32", "bfloat16"))
-    assert (fp32 - bf16).abs().max() < 0.05 * fp32.abs().max()
+    # bf16 statistics (products in bf16) move this random, flat-spectrum toy's rank-9 latent more than a real
+    # model's, whose held-out perplexity they leave as it was (docs/benchmarks.md, "conversion cost")
+    assert (fp32 - bf16).abs().max() < 0.12 * fp32.abs().max()
 
 
 def test_bf16_full_capacity_is_close_and_float32_exact(tmp_path):

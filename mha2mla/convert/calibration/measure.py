@@ -82,8 +82,10 @@ def attention_statistics(activations: LayerActivations, basis: torch.Tensor | No
     # keys: every position of the first KEY_DENSE ones, then every KEY_STRIDE-th, each standing for KEY_STRIDE positions
     keys = torch.cat([torch.arange(min(KEY_DENSE, L)), torch.arange(KEY_DENSE, L, KEY_STRIDE)]).to(device)
     key_share = torch.where(keys < KEY_DENSE, 1.0, float(KEY_STRIDE)).to(device)
-    # per-head (H, m, m) moments in float32: the products are float32 anyway (docs/calibration.md, "memory")
-    project = None if basis is None else basis.float().to(device)  # (m, D)
+    # per-head (H, m, m) moments accumulated in float32 (docs/calibration.md, "memory"); each batch's products run in
+    # the compute dtype, the matmul rate of the layer forwards (bf16: docs/benchmarks.md, "conversion cost")
+    compute = activations.compute
+    project = None if basis is None else basis.to(device, compute)  # (m, D)
     m = D if project is None else project.shape[0]
     covariances = torch.zeros(H, m, m, device=device)
     key_covariances = torch.zeros(H, m, m, device=device)
@@ -92,15 +94,16 @@ def attention_statistics(activations: LayerActivations, basis: torch.Tensor | No
     with eager_attention(attention.config):  # the probabilities themselves
         for batch in activations.batches():
             x = activations.normed(activations.hidden[batch])  # (b, L, D), compute dtype
-            probabilities = attention(x, position_embeddings=stream.source_rope, attention_mask=stream.causal_mask)[1].float()
-            x = x.float() if project is None else x.float() @ project.T  # (b, L, m): the moments in float32
+            probabilities = attention(x, position_embeddings=stream.source_rope, attention_mask=stream.causal_mask)[1]
+            probabilities = probabilities.to(compute)  # (b, H, L, L): sums of it are taken in float32 below
+            x = x if project is None else x @ project.T  # (b, L, m)
             averaged = probabilities[:, :, ::QUERY_STRIDE] @ x[:, None]  # (b, H, L/s, m)
-            covariances += torch.einsum("bhnd,bhne->hde", averaged, averaged)
-            weight = probabilities.sum(2)[:, :, keys].clamp_min(0) ** KEY_WEIGHT_POWER * key_share  # (b, H, k)
-            weighted = weight.sqrt()[..., None] * x[:, None, keys]  # (b, H, k, m)
+            covariances += torch.einsum("bhnd,bhne->hde", averaged, averaged)  # summed into float32
+            weight = probabilities.sum(2, dtype=torch.float32)[:, :, keys].clamp_min(0) ** KEY_WEIGHT_POWER * key_share  # (b, H, k)
+            weighted = weight.sqrt().to(compute)[..., None] * x[:, None, keys]  # (b, H, k, m)
             key_covariances += torch.einsum("bhnd,bhne->hde", weighted, weighted)
             key_weight += weight.sum((0, 2)).double()
-            histogram.scatter_add_(1, distance, probabilities.sum(0).reshape(H, -1).double())
+            histogram.scatter_add_(1, distance, probabilities.sum(0, dtype=torch.float32).reshape(H, -1).double())
     queries = N * len(range(0, L, QUERY_STRIDE))
     return (covariances / queries, key_covariances / key_weight.float()[:, None, None],
             histogram / histogram.sum(-1, keepdim=True))
