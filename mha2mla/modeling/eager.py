@@ -1,11 +1,11 @@
 """Eager attention on demand: an eager softmax returns the attention probabilities, which sdpa does not.
 
 transformers' own eager function takes the softmax in float32 and casts the probabilities back to the compute
-dtype: in bf16 that is two extra passes over the (b, H, L, L) tensor forward and two more backward, a third of a
-reconstruction step on the CPU (docs/benchmarks.md, "conversion cost"). ``mha2mla_eager`` takes the softmax in the
-scores' own dtype. PyTorch's reduced-precision softmax accumulates in float32, so the probabilities are those of
-the float32 softmax rounded once, as before (tests/convert/test_compute_dtype_kernels.py); only the backward reads
-the rounded probabilities where transformers' read the float32 ones. In float32 it is transformers' eager.
+dtype: in bf16 that is two extra passes over the (b, H, L, L) tensor forward and two more backward, a share of
+every reconstruction step on the CPU (docs/benchmarks.md, "conversion cost"). ``mha2mla_eager`` takes the softmax
+in the scores' own dtype. PyTorch's reduced-precision softmax accumulates in float32, so the probabilities are
+those of the float32 softmax rounded once, as before (tests/modeling/test_eager.py); only the backward reads the
+rounded probabilities where transformers' read the float32 ones. In float32 it is transformers' eager.
 """
 
 from __future__ import annotations
