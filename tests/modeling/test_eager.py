@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mha2mla.modeling import eager
 from mha2mla.modeling.eager import EAGER, eager_attention
 
 
@@ -22,7 +23,10 @@ def _run(model, ids, dtype):
 
 @pytest.mark.parametrize("kind", ["mla", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_eager_probabilities_match_transformers_eager(tiny_mla, llama_source, kind, dtype):
+def test_eager_probabilities_match_transformers_eager(tiny_mla, llama_source, kind, dtype, monkeypatch):
+    calls = []
+    ours = eager.eager_probabilities_attention
+    monkeypatch.setattr(eager, "eager_probabilities_attention", lambda *args, **kwargs: calls.append(1) or ours(*args, **kwargs))
     folder = tiny_mla if kind == "mla" else llama_source
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
     ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -31,6 +35,7 @@ def test_eager_probabilities_match_transformers_eager(tiny_mla, llama_source, ki
         assert model.config._attn_implementation == EAGER
         ours_logits, ours_probabilities, ours_grads = _run(model, ids, dtype)
     assert model.config._attn_implementation == "eager"  # restored
+    assert len(calls) == model.config.num_hidden_layers  # every layer's attention ran through mha2mla_eager
     assert len(probabilities) == model.config.num_hidden_layers
     for ours, theirs in zip(ours_probabilities, probabilities):
         assert ours.dtype == dtype and torch.equal(ours, theirs)
