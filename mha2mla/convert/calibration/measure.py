@@ -94,8 +94,8 @@ def attention_statistics(activations: LayerActivations, basis: torch.Tensor | No
     with eager_attention(attention.config):  # the probabilities themselves
         for batch in activations.batches():
             x = activations.normed(activations.hidden[batch])  # (b, L, D), compute dtype
+            # (b, H, L, L) in the compute dtype (modeling/eager.py); its sums are taken in float32 below
             probabilities = attention(x, position_embeddings=stream.source_rope, attention_mask=stream.causal_mask)[1]
-            probabilities = probabilities.to(compute)  # (b, H, L, L): sums of it are taken in float32 below
             x = x if project is None else x @ project.T  # (b, L, m)
             averaged = probabilities[:, :, ::QUERY_STRIDE] @ x[:, None]  # (b, H, L/s, m)
             covariances += torch.einsum("bhnd,bhne->hde", averaged, averaged)  # summed into float32
