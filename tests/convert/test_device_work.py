@@ -109,3 +109,31 @@ def test_latent_refinement_device_argument_changes_nothing_on_the_cpu(device):
     down = torch.randn(3, m, dtype=torch.float64, generator=generator)
     torch.testing.assert_close(lowrank.optimise_down(prepared, down, 5, device=device),
                                lowrank.optimise_down(prepared, down, 5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_basis", [False, True])
+def test_attention_aware_latent_on_the_layer_device_changes_nothing_on_the_cpu(with_basis):
+    """The whole attention-aware factorisation (the float64 eigendecompositions, the refinement, the per-head
+    regressions) runs on the ``device`` it is given, on a GPU the layer's; on the CPU that is the same work, bit for
+    bit, and the factors come back where the weights were. The per-head moments stay float32 on the host, moved one
+    group (or head) at a time."""
+    generator = torch.Generator().manual_seed(3)
+    G, H, d, D = 2, 4, 3, 16
+    key = torch.randn(G, d, D, dtype=torch.float64, generator=generator)
+    value = torch.randn(G, d, D, dtype=torch.float64, generator=generator)
+    x = torch.randn(500, D, dtype=torch.float64, generator=generator)
+    covariance = x.T @ x / 500
+    basis = lowrank.row_space_basis(key.reshape(-1, D), value.reshape(-1, D)) if with_basis else None
+    m = D if basis is None else basis.shape[0]
+    mixed = [torch.softmax(torch.randn(500, 500, generator=generator, dtype=torch.float64)[:100], -1) @ x for _ in range(H)]
+    coords = (lambda a: a) if basis is None else (lambda a: a @ basis.T)
+    value_covariances = torch.stack([coords(a).T @ coords(a) / 100 for a in mixed]).float()  # (H, m, m) float32
+    key_covariances = torch.stack([coords(x).T @ coords(x) / 500] * H).float()
+    assert value_covariances.shape == (H, m, m)
+    runs = [lowrank.attention_aware_low_rank(key, value, 4, covariance, value_covariances, key_covariances, steps=5,
+                                             basis=basis, device=device) for device in (None, "cpu")]
+    for default, placed in zip(*runs):
+        assert placed.device == key.device and placed.dtype == default.dtype
+        assert torch.equal(default, placed)
+    up_k, up_v, down = runs[0]
+    assert down.shape == (4, D) and up_k.shape == up_v.shape == (H, d, 4)

@@ -193,14 +193,31 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
     key_nope, value: (G, d, D); input_covariance (D, D); the per-head covariances (H, m, m) in the
     coordinates of ``basis`` (m, D) — the K/V row space — or (H, D, D) when ``basis`` is None. With a basis the
     latent is sought in that row space, where the activation PCA's latent lies.
-    The latent's refinement runs on ``device`` (None: the CPU the statistics are on).
+    Everything runs on ``device`` (the layer's calibration device; None: where ``key_nope`` is): the float64
+    factorisation, the latent's refinement and the regressions. The per-head moments may stay on the host; one
+    group's (or head's) moments are moved at a time. The factors come back where ``key_nope`` was.
     Returns (up_k (H, d, r), up_v (H, d, r), down (r, D))."""
+    home = key_nope.device
+    if device is not None:  # on a GPU: no float64 factorisation left on one host thread
+        key_nope, value, input_covariance = key_nope.to(device), value.to(device), input_covariance.to(device)
+        key_row_weight = None if key_row_weight is None else key_row_weight.to(device)
+        basis = None if basis is None else basis.to(device)
     if basis is not None:
         basis = basis.to(key_nope.dtype)
-        up_k, up_v, down = attention_aware_low_rank(
+        up_k, up_v, down = _attention_aware_low_rank(
             to_basis(key_nope, basis), to_basis(value, basis), rank, basis @ input_covariance @ basis.T,
-            value_covariances, key_covariances, steps, key_row_weight, device=device)
-        return up_k, up_v, down @ basis
+            value_covariances, key_covariances, steps, key_row_weight)
+        down = down @ basis
+    else:
+        up_k, up_v, down = _attention_aware_low_rank(key_nope, value, rank, input_covariance, value_covariances,
+                                                      key_covariances, steps, key_row_weight)
+    return up_k.to(home), up_v.to(home), down.to(home)
+
+
+def _attention_aware_low_rank(key_nope, value, rank, input_covariance, value_covariances, key_covariances, steps,
+                              key_row_weight):
+    """attention_aware_low_rank in the coordinates given, on ``key_nope``'s device."""
+    device = key_nope.device
     G, d, D = value.shape
     H = value_covariances.shape[0]
     per = H // G
@@ -215,10 +232,10 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
             for g in range(G):  # one group's float64 mean at a time; the blocks keep float32 (memory.py)
                 heads = range(g * per, (g + 1) * per)
                 for side, rows, moments in (("key", key_rows[g], key_covariances), ("value", value[g], value_covariances)):
-                    group = sum(moments[h].to(dtype) for h in heads) / per
+                    group = sum(moments[h].to(device, dtype) for h in heads) / per
                     energy[side] += weighted_energy(rows, group)
                     # one head per group (MHA): its float32 moment itself, not a copy (the same values)
-                    same = per == 1 and moments[heads[0]].dtype == torch.float32
+                    same = per == 1 and moments[heads[0]].dtype == torch.float32 and moments.device == device
                     blocks[side].append((moments[heads[0]] if same else group.float(), (group @ rows.T).float()))
             prepared = []
             for g in range(G):
