@@ -57,7 +57,8 @@ def test_a_budget_that_cannot_hold_one_layer_is_one_sentence(source, tmp_path, c
 
 def test_the_estimate_at_70b_widths_fits_24_gib_and_shrinks_the_moments():
     """Llama-3-70B's layer (hidden 8192, 64 heads, 8 KV heads, MLP 28672) with the default calibration: the
-    per-head moments are measured in the 2048-dim K/V row space, the o_proj refit on the 8192 head outputs."""
+    per-head moments are measured in the 2048-dim K/V row space; with ``--no-reconstruct`` (the refit's method
+    set) the o_proj refit works on the 8192 head outputs."""
     from mha2mla.convert.plan.resolve import make_plan
     from mha2mla.families import family_for_config
 
@@ -68,9 +69,13 @@ def test_the_estimate_at_70b_widths_fits_24_gib_and_shrinks_the_moments():
     assert plan.calibration.samples == 128  # wide models keep 128 windows (256 below hidden size 4096)
     terms = memory.layer_memory(plan)
     assert terms["per-head moments"] == 2 * 64 * 2048**2 * 4 + 2 * 8192**2 * 8  # (H, m, m) float32 ×2, (D, D) float64
-    single_pass = 2 * (64 * plan.latent_rank) ** 2 * 8  # moments of the latents themselves: (H·r)² per fold
-    assert terms["o_proj refit moments"] * 5 < single_pass
+    assert "o_proj refit moments" not in terms and "reconstruction inputs and targets" in terms
     assert sum(terms.values()) < 24 * 1024**3
+    refit_plan = make_plan(config, family_for_config(config), ConvertConfig(kv_budget=0.3125, reconstruct=False))
+    refit_terms = memory.layer_memory(refit_plan)
+    single_pass = 2 * (64 * plan.latent_rank) ** 2 * 8  # moments of the latents themselves: (H·r)² per fold
+    assert refit_terms["o_proj refit moments"] * 5 < single_pass
+    assert sum(refit_terms.values()) < 24 * 1024**3
 
 
 def test_row_space_moments_keep_full_capacity_exact(source, tmp_path, monkeypatch):

@@ -58,10 +58,12 @@ class Methods:
 
 def product_methods(profile: str, calibrated: bool, reconstruct: bool = True) -> Methods:
     """The method sets the product offers: calibrated (the default; ``reconstruct=False`` is ``--no-reconstruct``)
-    and weight-only."""
+    and weight-only. The closed-form refit runs only without reconstruction: reconstruction from the unrefitted
+    layer ends better, in fewer steps, than from the refitted one (docs/calibration.md, "reconstruction")."""
     if calibrated:
         return Methods(rope_mixing="activation", rope_compensation="mean", lowrank="attention",
-                       kv_norm="neutralised" if profile == "exact" else "stabilized", refit="ridge",
+                       kv_norm="neutralised" if profile == "exact" else "stabilized",
+                       refit="none" if reconstruct else "ridge",
                        reconstruct="gradient" if reconstruct else "none", sequential=True)
     return Methods(rope_mixing="weight", rope_compensation="none", lowrank="svd",
                    kv_norm="neutralised" if profile == "exact" else "rms", sequential=False)

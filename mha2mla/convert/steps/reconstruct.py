@@ -33,7 +33,7 @@ from mha2mla.convert.steps.records import LayerWork
 from mha2mla.convert.steps.registry import register
 from mha2mla.modeling.eager import eager_attention
 
-MAX_STEPS = 240
+MAX_STEPS = 160
 WARMUP_STEPS = 10
 EVAL_EVERY = 20
 PATIENCE = 2
