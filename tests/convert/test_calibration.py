@@ -280,7 +280,8 @@ def test_weight_only_is_exact_at_full_capacity(sources, input_ids, tmp_path, nam
 @pytest.mark.parametrize("norm", ["rms", "stabilized"])
 def test_portable_norm_calibrations_write_valid_outputs_and_differ(sources, input_ids, tmp_path, norm):
     options = ConvertConfig(profile="portable", kv_budget=0.5, calib="default", calib_samples=4, calib_seq_len=32)
-    with methods_in_plan(calibrated("portable", kv_norm=norm)):
+    # no fit step after the norm: reconstruction may move a portable kv_a_layernorm weight (the step's own output is tested)
+    with methods_in_plan(calibrated("portable", kv_norm=norm, reconstruct="none")):
         convert(sources["llama_gqa"], tmp_path / "out", options, progress=False)
     from safetensors.torch import load_file
 

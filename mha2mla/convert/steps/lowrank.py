@@ -193,25 +193,18 @@ def attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cova
     key_nope, value: (G, d, D); input_covariance (D, D); the per-head covariances (H, m, m) in the
     coordinates of ``basis`` (m, D) — the K/V row space — or (H, D, D) when ``basis`` is None. With a basis the
     latent is sought in that row space, where the activation PCA's latent lies.
-    Everything runs on ``device`` (the layer's calibration device; None: where ``key_nope`` is): the float64
-    factorisation, the latent's refinement and the regressions. The per-head moments may stay on the host; one
-    group's (or head's) moments are moved at a time. The factors come back where ``key_nope`` was.
-    Returns (up_k (H, d, r), up_v (H, d, r), down (r, D))."""
-    home = key_nope.device
-    if device is not None:  # on a GPU: no float64 factorisation left on one host thread
-        key_nope, value, input_covariance = key_nope.to(device), value.to(device), input_covariance.to(device)
-        key_row_weight = None if key_row_weight is None else key_row_weight.to(device)
-        basis = None if basis is None else basis.to(device)
-    if basis is not None:
-        basis = basis.to(key_nope.dtype)
-        up_k, up_v, down = _attention_aware_low_rank(
-            to_basis(key_nope, basis), to_basis(value, basis), rank, basis @ input_covariance @ basis.T,
-            value_covariances, key_covariances, steps, key_row_weight)
-        down = down @ basis
-    else:
-        up_k, up_v, down = _attention_aware_low_rank(key_nope, value, rank, input_covariance, value_covariances,
-                                                      key_covariances, steps, key_row_weight)
-    return up_k.to(home), up_v.to(home), down.to(home)
+    All of it runs on ``device`` (the layer's; None: where ``key_nope`` is), the per-head moments moved there one
+    group or head at a time; the factors come back where ``key_nope`` was. Returns (up_k, up_v (H, d, r), down (r, D))."""
+    home = key_nope.device  # on a GPU: no float64 factorisation left on one host thread
+    place = (lambda t: t) if device is None else (lambda t: None if t is None else t.to(device))
+    key_nope, value, input_covariance, key_row_weight = map(place, (key_nope, value, input_covariance, key_row_weight))
+    basis = None if basis is None else place(basis).to(key_nope.dtype)
+    coordinates = (lambda rows: rows) if basis is None else (lambda rows: to_basis(rows, basis))
+    up_k, up_v, down = _attention_aware_low_rank(
+        coordinates(key_nope), coordinates(value), rank,
+        input_covariance if basis is None else basis @ input_covariance @ basis.T,
+        value_covariances, key_covariances, steps, key_row_weight)
+    return up_k.to(home), up_v.to(home), (down if basis is None else down @ basis).to(home)
 
 
 def _attention_aware_low_rank(key_nope, value, rank, input_covariance, value_covariances, key_covariances, steps,
