@@ -240,6 +240,21 @@ def test_the_stream_goes_through_the_layers_in_order(sources):
     assert stream.enter(1).layer == 1
 
 
+def test_the_stream_advances_causally_through_the_converted_attention(sources):
+    """At full capacity (exact profile, an MQA source) the converted attention is the source's, so the stream
+    advanced through it (on the CPU the eager softmax with the explicit causal mask) equals the second stream,
+    advanced through the source attention; an attention that saw later tokens would not."""
+    from mha2mla.convert.pipeline import _convert_layer
+
+    tokens = torch.randint(0, 384, (4, 24), generator=torch.Generator().manual_seed(5))
+    stream = stream_for(sources["llama_mqa"], tokens, sequential=True, kv_lora_rank=2 * HEAD_DIM + 1, rope_dim=HEAD_DIM)
+    assert stream.source_hidden is not None and stream.device.type == "cpu"
+    before = stream.hidden.clone()
+    _convert_layer(stream.reader, 0, stream)
+    assert (stream.hidden - before).abs().max() > 1e-2  # the layer did move the stream
+    torch.testing.assert_close(stream.hidden, stream.source_hidden, rtol=1e-4, atol=1e-4)
+
+
 # --- every method keeps full-capacity conversions exact (docs/design.md §3 ladder, rung a) ----------
 
 METHOD_GRID = {  # the product's two sets, and the ablations the quality benchmark re-measures

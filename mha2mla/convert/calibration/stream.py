@@ -32,6 +32,7 @@ from mha2mla.convert.output.target_config import deepseek_config_object
 from mha2mla.convert.plan.resolve import ConversionPlan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.devices import resolve_device
+from mha2mla.modeling.eager import eager_attention
 from mha2mla.modeling.sdpa import register_padded_sdpa
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,8 @@ def _modules(config: dict, plan: ConversionPlan, device: torch.device) -> _Modul
         skeleton = AutoModelForCausalLM.from_config(source_config)
     target_config = deepseek_config_object(plan, config)
     # the value head is narrower than the query/key head: plain sdpa takes its math path there, the padded value runs
-    # the fused kernel (modeling/sdpa.py) -- on a GPU; the CPU keeps plain sdpa, whose rounding its quality figures
-    # have (docs/benchmarks.md). Steps that need the probabilities switch to eager (modeling/eager.py)
+    # the fused kernel (modeling/sdpa.py) -- on a GPU; on a CPU ``advance`` and the steps switch to the eager softmax
+    # (modeling/eager.py), faster there than that math path (docs/benchmarks.md, "conversion cost")
     target_config._attn_implementation = register_padded_sdpa() if device.type == "cuda" else "sdpa"
     return _Modules(source_config=source_config, target_config=target_config, layer_class=type(skeleton.model.layers[0]),
                     source_rotary=type(skeleton.model.rotary_emb)(config=source_config),
@@ -115,18 +116,22 @@ class CalibrationStream:
         converted = None if tensors is None else activations.target_attention(tensors)
         heads = activations.computed_heads  # on the source stream, when a fit step computed them
         own_heads = heads if self.source_hidden is None else None  # this stream's, when it is the one stream
-        for start in range(0, self.hidden.shape[0], self.batch_size):
-            batch = slice(start, start + self.batch_size)
-            h = self.hidden[batch]  # (b, L, D)
-            if converted is not None:
-                h = h + converted(activations.normed(h), position_embeddings=self.target_rope, attention_mask=None)[0].float()
-            else:
-                h = h + activations.source_output(h, None if own_heads is None else own_heads[batch])
-            self.hidden[batch] = activations.add_mlp(h)
-            if self.source_hidden is not None:
-                h = self.source_hidden[batch]
-                h = h + activations.source_output(h, None if heads is None else heads[batch])
-                self.source_hidden[batch] = activations.add_mlp(h)
+        # the converted attention: on a CPU the eager softmax with the explicit causal mask (see _modules)
+        cpu = self.device.type == "cpu"
+        mask = self.causal_mask if cpu else None
+        with eager_attention(*([converted.config] if cpu and converted is not None else [])):
+            for start in range(0, self.hidden.shape[0], self.batch_size):
+                batch = slice(start, start + self.batch_size)
+                h = self.hidden[batch]  # (b, L, D)
+                if converted is not None:
+                    h = h + converted(activations.normed(h), position_embeddings=self.target_rope, attention_mask=mask)[0].float()
+                else:
+                    h = h + activations.source_output(h, None if own_heads is None else own_heads[batch])
+                self.hidden[batch] = activations.add_mlp(h)
+                if self.source_hidden is not None:
+                    h = self.source_hidden[batch]
+                    h = h + activations.source_output(h, None if heads is None else heads[batch])
+                    self.source_hidden[batch] = activations.add_mlp(h)
         self.layer += 1
 
 

@@ -35,8 +35,8 @@ from mha2mla.modeling.eager import eager_attention
 
 MAX_STEPS = 160
 WARMUP_STEPS = 10
-EVAL_EVERY = 20
-PATIENCE = 2
+EVAL_EVERY = 40
+PATIENCE = 1
 BATCH_SEQUENCES = 4
 # peak step size relative to each parameter's RMS, and the step count: the schedule chosen on SmolLM2
 # (docs/benchmarks.md, "reconstruction")
