@@ -32,7 +32,7 @@ from mha2mla.convert.output.target_config import deepseek_config_object
 from mha2mla.convert.plan.resolve import ConversionPlan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.devices import resolve_device
-from mha2mla.modeling.eager import eager_attention
+from mha2mla.modeling.eager import register_eager
 from mha2mla.modeling.sdpa import register_padded_sdpa
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,9 @@ def _modules(config: dict, plan: ConversionPlan, device: torch.device) -> _Modul
         skeleton = AutoModelForCausalLM.from_config(source_config)
     target_config = deepseek_config_object(plan, config)
     # the value head is narrower than the query/key head: plain sdpa takes its math path there, the padded value runs
-    # the fused kernel (modeling/sdpa.py) -- on a GPU; on a CPU ``advance`` and the steps switch to the eager softmax
-    # (modeling/eager.py), faster there than that math path (docs/benchmarks.md, "conversion cost")
-    target_config._attn_implementation = register_padded_sdpa() if device.type == "cuda" else "sdpa"
+    # the fused kernel (modeling/sdpa.py) -- on a GPU; on a CPU the eager softmax (modeling/eager.py), faster there
+    # than that math path (docs/benchmarks.md, "conversion cost"), with the stream's ``target_mask``
+    target_config._attn_implementation = {"cuda": register_padded_sdpa, "cpu": register_eager}.get(device.type, lambda: "sdpa")()
     return _Modules(source_config=source_config, target_config=target_config, layer_class=type(skeleton.model.layers[0]),
                     source_rotary=type(skeleton.model.rotary_emb)(config=source_config),
                     target_rotary=deepseek.DeepseekV3RotaryEmbedding(config=target_config))
@@ -91,6 +91,8 @@ class CalibrationStream:
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
         # an explicit causal mask: eager attention (run for its probabilities) applies no other
         self.causal_mask = torch.full((L, L), float("-inf"), device=self.device, dtype=self.compute).triu(1)[None, None]
+        # what the converted attention is called with: the causal mask where it runs eager (_modules), else sdpa's own
+        self.target_mask = self.causal_mask if self.device.type == "cpu" else None
         probe = torch.zeros(1, L, 1, device=self.device, dtype=self.compute)  # the rope tables take its dtype
         self.source_rope = self.modules.source_rotary.to(self.device)(probe, positions)
         self.target_rope = self.modules.target_rotary.to(self.device)(probe, positions)
@@ -116,22 +118,19 @@ class CalibrationStream:
         converted = None if tensors is None else activations.target_attention(tensors)
         heads = activations.computed_heads  # on the source stream, when a fit step computed them
         own_heads = heads if self.source_hidden is None else None  # this stream's, when it is the one stream
-        # the converted attention: on a CPU the eager softmax with the explicit causal mask (see _modules)
-        cpu = self.device.type == "cpu"
-        mask = self.causal_mask if cpu else None
-        with eager_attention(*([converted.config] if cpu and converted is not None else [])):
-            for start in range(0, self.hidden.shape[0], self.batch_size):
-                batch = slice(start, start + self.batch_size)
-                h = self.hidden[batch]  # (b, L, D)
-                if converted is not None:
-                    h = h + converted(activations.normed(h), position_embeddings=self.target_rope, attention_mask=mask)[0].float()
-                else:
-                    h = h + activations.source_output(h, None if own_heads is None else own_heads[batch])
-                self.hidden[batch] = activations.add_mlp(h)
-                if self.source_hidden is not None:
-                    h = self.source_hidden[batch]
-                    h = h + activations.source_output(h, None if heads is None else heads[batch])
-                    self.source_hidden[batch] = activations.add_mlp(h)
+        for start in range(0, self.hidden.shape[0], self.batch_size):
+            batch = slice(start, start + self.batch_size)
+            h = self.hidden[batch]  # (b, L, D)
+            if converted is not None:
+                h = h + converted(activations.normed(h), position_embeddings=self.target_rope,
+                                  attention_mask=self.target_mask)[0].float()
+            else:
+                h = h + activations.source_output(h, None if own_heads is None else own_heads[batch])
+            self.hidden[batch] = activations.add_mlp(h)
+            if self.source_hidden is not None:
+                h = self.source_hidden[batch]
+                h = h + activations.source_output(h, None if heads is None else heads[batch])
+                self.source_hidden[batch] = activations.add_mlp(h)
         self.layer += 1
 
 

@@ -31,7 +31,6 @@ import torch
 
 from mha2mla.convert.steps.records import LayerWork
 from mha2mla.convert.steps.registry import register
-from mha2mla.modeling.eager import eager_attention
 
 MAX_STEPS = 160
 WARMUP_STEPS = 10
@@ -206,12 +205,10 @@ def gradient_reconstruction(work: LayerWork) -> None:
                 y += (source_hidden[batch] - hidden[batch]) * ~massive[batch, :, None]
             targets.append(y)
         y = torch.cat(targets)
-    # on a CPU eager softmax with the explicit causal mask (faster there: docs/benchmarks.md); on a GPU causal sdpa
-    cpu = activations.device.type == "cpu"
+    # the stream's attention choice: on a CPU the eager softmax with the explicit causal mask, on a GPU causal sdpa
     stream = activations.stream
-    data = ReconstructionData(x, y, stream.target_rope, stream.causal_mask if cpu else None)
-    with eager_attention(*([target.config] if cpu else [])):
-        report = reconstruct(target, data, exact=work.plan.profile == "exact", compute_dtype=activations.compute)
+    data = ReconstructionData(x, y, stream.target_rope, stream.target_mask)
+    report = reconstruct(target, data, exact=work.plan.profile == "exact", compute_dtype=activations.compute)
     report["reconstruction_massive_tokens"] = 0 if massive is None else int(massive.sum())
     state = target.state_dict()
     work.tensors = {name: state[name].to(tensor.dtype).cpu() for name, tensor in tensors.items()}
