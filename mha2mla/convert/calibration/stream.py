@@ -32,7 +32,7 @@ from mha2mla.convert.output.target_config import deepseek_config_object
 from mha2mla.convert.plan.resolve import ConversionPlan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.devices import resolve_device
-from mha2mla.modeling.eager import register_eager
+from mha2mla.modeling.eager import EAGER, register_eager
 from mha2mla.modeling.sdpa import register_padded_sdpa
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,8 @@ class CalibrationStream:
         positions = torch.arange(L, device=self.device)[None]  # (1, L)
         # an explicit causal mask: eager attention (run for its probabilities) applies no other
         self.causal_mask = torch.full((L, L), float("-inf"), device=self.device, dtype=self.compute).triu(1)[None, None]
-        # what the converted attention is called with: the causal mask where it runs eager (_modules), else sdpa's own
-        self.target_mask = self.causal_mask if self.device.type == "cpu" else None
+        # what the converted attention is called with: the causal mask where _modules chose eager, else sdpa's own
+        self.target_mask = self.causal_mask if self.modules.target_config._attn_implementation == EAGER else None
         probe = torch.zeros(1, L, 1, device=self.device, dtype=self.compute)  # the rope tables take its dtype
         self.source_rope = self.modules.source_rotary.to(self.device)(probe, positions)
         self.target_rope = self.modules.target_rotary.to(self.device)(probe, positions)
