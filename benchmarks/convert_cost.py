@@ -276,7 +276,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calib-device", default="cpu")
     parser.add_argument("--quality", action="store_true", help="score the converted model on the held-out texts")
     parser.add_argument("--windows", type=int, default=32, help="512-token held-out windows per text (--quality)")
-    parser.add_argument("--work", default=None, help="folder for the temporary output (and --shape sources: .cache/)")
+    parser.add_argument("--work", default=None, help="folder for the temporary output (made if missing; default: the system's)")
     parser.add_argument("--json", default=None, help="also write the JSON object here")
     return parser.parse_args(argv)
 
@@ -284,6 +284,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import os
+
+    if args.work:  # made before the floor, so a bad path fails in a second, not after it
+        Path(args.work).mkdir(parents=True, exist_ok=True)
 
     import torch
 
