@@ -6,13 +6,15 @@ values times the bytes per value of the dtype a default ``mha2mla convert`` writ
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from mha2mla import UserError
 from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.plan.resolve import make_plan
 from mha2mla.convert.plan.shape import DTYPES, SourceShape
 from mha2mla.families import family_for_config
 from mha2mla.io.model_folder import read_config
-from mha2mla.io.source import resolve_source
+from mha2mla.io.source import check_source, gguf_config, gguf_tensor_types, resolve_source
 
 BUDGETS = (0.5, 0.3125, 0.25, 0.1875, 0.125, 0.0625)
 MLA_KEYS = ("num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -90,10 +92,18 @@ def _budgets(config: dict, family, source_format: str) -> tuple[list[dict], str]
     return rows, dtype or "float32"
 
 
+def _source_config(model: str) -> dict:
+    """The config of ``model``: a .gguf file's from its metadata (its weights are never dequantised for this), any
+    other source's config.json."""
+    check_source(model)
+    if Path(model).expanduser().is_file():
+        return gguf_config(Path(model).expanduser())
+    return read_config(resolve_source(model))
+
+
 def inspect_model(model: str) -> dict:
     """Family, shape, rope, KV bytes per token (``kv_dtype``) and the reachable budgets of ``model``."""
-    folder = resolve_source(model)
-    config = read_config(folder)
+    config = _source_config(model)
     if config.get("model_type") == "deepseek_v3":
         return _mla_info(config)
     family = family_for_config(config)
@@ -111,8 +121,8 @@ def inspect_model(model: str) -> dict:
         "attention": "MHA" if shape.num_heads == shape.num_kv_heads else ("MQA" if shape.num_kv_heads == 1 else "GQA"),
         "head_dim": shape.head_dim,
         "rope": rope_text(rope),
-        "source_dtype": str(config.get("dtype") or config.get("torch_dtype"))
-        + (" (dequantised from the GGUF file)" if source_format == "gguf" else ""),
+        "source_dtype": f"{gguf_tensor_types(Path(model).expanduser())} (GGUF; dequantised to float32 to convert)"
+        if source_format == "gguf" else str(config.get("dtype") or config.get("torch_dtype")),
         "kv_values_per_token_per_layer": shape.kv_values_per_token_per_layer,
         "kv_bytes_per_token": shape.kv_values_per_token_per_layer * shape.num_layers * DTYPES[dtype].itemsize,
         "kv_dtype": _dtype_label(dtype) + ", the dtype `mha2mla convert` writes by default",

@@ -55,6 +55,54 @@ def check_gguf_magic(path: Path) -> None:
         raise UserError(f"could not read {path} as a GGUF model (the file {what}); pass a .gguf model file.")
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
+def gguf_config(gguf_path: str | Path) -> dict:
+    """The config.json a dequantised copy of ``gguf_path`` holds, built from the file's metadata alone: transformers
+    reads it with the gguf package's GGUFReader, which memory-maps the file, so no tensor is read or dequantised."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    gguf_path = Path(gguf_path)
+    check_gguf_magic(gguf_path)
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).to_dict()
+    except Exception as error:
+        raise UserError(f"could not read {gguf_path} as a GGUF model ({_first_line(error)}).") from error
+    # what save_pretrained of the dequantised model records: its class, and the float32 it is loaded in
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
+    config["architectures"] = config.get("architectures") or ([model_class] if model_class else None)
+    config["dtype"] = "float32"
+    return config
+
+
+def gguf_tensor_types(gguf_path: str | Path) -> str:
+    """The tensor types of a GGUF file with their counts, most common first (``Q4_1 x 211, F32 x 61``), read from
+    its memory-mapped header."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    try:
+        types = Counter(tensor.tensor_type.name for tensor in GGUFReader(str(gguf_path)).tensors)
+    except Exception as error:
+        raise UserError(f"could not read {gguf_path} as a GGUF model ({_first_line(error)}).") from error
+    return ", ".join(f"{name} x {count}" for name, count in types.most_common())
+
+
+def _dequantising():
+    """transformers' option that unpacks every GGUF weight into a plain dense tensor (what mha2mla reads and
+    writes); without it, a bfloat16 load warns that packed weights compute fastest in float32. None in a
+    transformers that always dequantises (before GgufConfig)."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return None
+    return GgufConfig(dequantize=True)
+
+
 def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
     """Load a .gguf file with transformers (dequantised) as a plain, unquantised model and its tokenizer.
     ``model_kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
@@ -62,13 +110,16 @@ def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = Path(gguf_path)
+    dequantise = _dequantising()
+    if dequantise is not None:
+        model_kwargs.setdefault("quantization_config", dequantise)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype or torch.float32, **model_kwargs
         )
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as error:
-        raise UserError(f"could not read {gguf_path} as a GGUF model ({str(error).splitlines()[0]}).") from error
+        raise UserError(f"could not read {gguf_path} as a GGUF model ({_first_line(error)}).") from error
     # the weights are dequantised: forget the quantiser so save_pretrained writes plain tensors
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
