@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from mha2mla import UserError
 from mha2mla.convert.config import ConvertConfig
 from mha2mla.evaluation.config import EvalConfig
-from mha2mla.io.recipe_errors import yaml_error_sentence
+from mha2mla.io.recipe_errors import check_recipe_shape, yaml_error_sentence
 from mha2mla.modeling.generate_config import GenerateConfig
 from mha2mla.train.config import RecoverConfig
 
@@ -52,8 +52,9 @@ def _unknown_key(section: dict, model: type[BaseModel], prefix: str = "") -> tup
     return None
 
 
-def _unknown_sentence(path: Path, section: str, key: str, names: list[str]) -> str:
-    close = difflib.get_close_matches(key.rpartition(".")[2], names, n=1)
+def _unknown_sentence(path: Path, section: str, key, names: list[str]) -> str:
+    """``key`` as YAML gave it: text, or a number or date written where a setting's name belongs."""
+    close = difflib.get_close_matches(str(key).rpartition(".")[2], names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"recipe {path} has an unknown {section} setting {key!r}{hint}; fix or remove it."
 
@@ -66,16 +67,17 @@ def load_recipe(path: str | Path) -> Recipe:
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist; pass the path of a recipe YAML file.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as error:
         raise UserError(f"recipe {path} is not UTF-8 text (byte {error.start}); give a YAML file encoded as UTF-8.") from None
     except OSError as error:
         raise UserError(f"cannot read recipe {path} ({error.strerror}).") from None
     except yaml.YAMLError as error:
         raise UserError(yaml_error_sentence(path, error)) from None
-    if not isinstance(data, dict):
-        raise UserError(f"recipe {path} is not a mapping of `source:` and command sections; see recipes/ for examples.")
-    unknown = sorted(set(data) - set(Recipe.model_fields))
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise UserError(f"recipe {path} is nested too deeply to be a recipe; write its settings out flat.") from None
+    check_recipe_shape(path, data)
+    unknown = sorted((key for key in data if key not in Recipe.model_fields), key=str)  # keys may be numbers
     if unknown:
         raise UserError(_unknown_sentence(path, "top-level", unknown[0], list(Recipe.model_fields)))
     for section, model in SECTIONS.items():
