@@ -21,6 +21,9 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # CPU feature flags (/proc/cpuinfo) under which bf16 matmuls run on the hardware's own bf16 instructions
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 BF16_ARM_FEATURES = ("bf16",)
+# The seeds every command accepts (--seed of recover, eval and generate): numpy's generator, which recover seeds
+# through accelerate and eval through lm-eval, takes 0 to 2**32 - 1, the narrowest of numpy, torch and random.
+MAX_SEED = 2**32 - 1
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:

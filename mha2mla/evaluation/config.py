@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mha2mla.compute import MAX_SEED
+
 PROMPT_TOKENS = 512  # tokens of the bundled sample text used for the KV-cache and throughput measurements
 
 
@@ -26,7 +28,8 @@ class EvalConfig(BaseModel):
     device: str | None = Field(None, description="device: cpu, cuda, cuda:1, ... (cuda when available if not "
                                    "given)")
     batch_size: int = Field(1, ge=1, description="batch size of lm-eval")
-    seed: int = Field(1234, description="seed for every random source of lm-eval, the same for the baseline")
+    seed: int = Field(1234, ge=0, le=MAX_SEED, description="seed for every random source of lm-eval, the same for "
+                      f"the baseline (0 to {MAX_SEED})")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights dtype (auto: the checkpoint's own)")
     text: str | None = Field(None, description="a UTF-8 text file to score for token perplexity (offline); alone, "

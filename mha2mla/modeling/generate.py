@@ -20,8 +20,9 @@ import torch
 from transformers import AutoTokenizer
 
 from mha2mla import UserError
-from mha2mla.compute import resolve_compute_dtype, torch_dtype
+from mha2mla.compute import MAX_SEED, resolve_compute_dtype, torch_dtype
 from mha2mla.devices import resolve_device
+from mha2mla.modeling.generate_config import utf8_problem
 from mha2mla.modeling.model import MLAModel
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None) -> None:
     """The generation settings a sampler can use, or one sentence naming the flag."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
@@ -63,6 +64,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
         raise UserError(f"--temperature must be a finite number of at least 0 (0 is greedy), not {temperature}.")
     if not 0.0 < top_p <= 1.0:  # also false for nan
         raise UserError(f"--top-p must be in (0, 1], not {top_p}.")
+    if seed is not None and not 0 <= seed <= MAX_SEED:  # the range of every command's --seed (mha2mla.compute)
+        raise UserError(f"--seed must be a whole number from 0 to {MAX_SEED}, not {seed}.")
 
 
 class IncrementalDetokenizer:
@@ -165,6 +168,9 @@ class MLAEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UserError("the model folder has no tokenizer; pass token ids instead of text.")
+            problem = utf8_problem(prompt)  # the tokenizer raises a TypeError on text it cannot encode
+            if problem is not None:
+                raise UserError(f"the prompt {problem}.")
             return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
@@ -186,7 +192,7 @@ class MLAEngine:
         receives each row's new text as it is produced."""
         if not prompts:
             raise UserError("give at least one prompt.")
-        check_sampling(max_new_tokens, temperature, top_p)
+        check_sampling(max_new_tokens, temperature, top_p, seed)
         encoded = [self.encode(p) for p in prompts]
         max_new_tokens = self.cap_new_tokens(max(len(ids) for ids in encoded), max_new_tokens)
         results = [Generation(prompt_tokens=ids) for ids in encoded]
