@@ -29,8 +29,9 @@ def convert_command(
     recipe: Optional[Path] = typer.Option(None, help="A recipe YAML holding these options (flags given here win)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (ranks, method, KV bytes/token, parameters) and write nothing."),
     force: bool = typer.Option(False, "--force", help="Replace OUT when it holds an earlier mha2mla output (a folder mha2mla did not write is never replaced)."),
-    # hidden: the bar shows by default; --no-progress for scripts (kept off the help, which lists at most 14 options)
-    progress: bool = typer.Option(True, "--progress/--no-progress", hidden=True, help="Show a progress bar."),
+    # hidden (the help lists at most 14 options): bars show only when stderr is a terminal (mha2mla/cli/main.py),
+    # and --no-progress turns them off there too
+    progress: bool = typer.Option(True, "--progress/--no-progress", hidden=True, help="Show progress bars on a terminal."),
 ) -> None:
     """Convert an MHA/GQA model into a native DeepSeek-V3 MLA checkpoint plus absorbed inference weights.
 

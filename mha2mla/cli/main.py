@@ -6,6 +6,7 @@ after every staging folder has been removed on the way out (the writers clean up
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -53,6 +54,53 @@ for _name in COMMAND_MODULES:
         importlib.import_module(_module_name).register(app)
 
 
+# A command's progress flag -> its value when bars are wanted (convert's --progress, recover's --no-progress).
+PROGRESS_PARAMETERS = {"progress": True, "no_progress": False}
+
+
+def progress_shown(asked: bool = True) -> bool:
+    """Whether a command draws progress bars: asked for (no --no-progress), not -q, and stderr a terminal -- in a
+    pipe or a log file every redraw of a bar would be one more run of carriage returns."""
+    return asked and sys.stderr.isatty() and logging.getLogger().level <= logging.INFO
+
+
+_shown_again: list = []  # what shows the bars hide_library_progress_bars hid, for when main() returns
+
+
+def hide_library_progress_bars() -> None:
+    """Turn off the bars of transformers and huggingface_hub (Loading weights, Writing model shards, downloads),
+    whether they are imported yet or not: transformers takes huggingface_hub's setting when first imported."""
+    from huggingface_hub import utils as hub
+
+    if not hub.are_progress_bars_disabled():
+        hub.disable_progress_bars()
+        _shown_again.append(hub.enable_progress_bars)
+    loaded = sys.modules.get("transformers.utils.logging")
+    if loaded is not None and loaded.is_progress_bar_enabled():
+        loaded.disable_progress_bar()
+        _shown_again.append(loaded.enable_progress_bar)
+
+
+def _show_library_progress_bars_again() -> None:
+    while _shown_again:
+        _shown_again.pop()()
+
+
+def _settle_progress(callback):
+    """``callback`` run with its progress flag turned off where bars are not shown (progress_shown), and with the
+    libraries' bars hidden whenever its own are: every command gets the same rule, whatever its flag."""
+
+    @functools.wraps(callback)
+    def run(*args, **kwargs):
+        asked = all(kwargs.get(name, wanted) == wanted for name, wanted in PROGRESS_PARAMETERS.items())
+        if not progress_shown(asked):
+            hide_library_progress_bars()
+            kwargs.update({name: not wanted for name, wanted in PROGRESS_PARAMETERS.items() if name in kwargs})
+        return callback(*args, **kwargs)
+
+    return run
+
+
 VALUE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "Path": "PATH"}
 
 
@@ -60,6 +108,8 @@ def _name_values(command) -> None:
     """Name what each option takes as click does (TEXT, INTEGER, PATH, [a|b]) instead of Typer's Python types
     (``<str>``, ``<list[str]>``, ``<bool>`` on flags); arguments by their name (SOURCE [OUT])."""
     for param in command.params:
+        if param.param_type_name == "argument":
+            param.get_usage_pieces = _usage_pieces(param)
         if param.metavar is not None or getattr(param, "is_flag", False):
             continue
         described = param.type_descriptor
@@ -73,6 +123,17 @@ def _name_values(command) -> None:
             param.metavar = "PATH" if described.is_path else VALUE_NAMES.get(bare, bare.upper())
     for sub in getattr(command, "commands", {}).values():
         _name_values(sub)
+        sub.callback = _settle_progress(sub.callback)
+
+
+def _usage_pieces(argument):
+    """An argument in the usage line as click writes it (SOURCE, [OUT], [MODELS]...), not Typer's {SOURCE}."""
+
+    def pieces(ctx) -> list[str]:
+        name = argument.metavar or argument.name.upper()
+        return [(name if argument.required else f"[{name}]") + ("..." if argument.nargs != 1 else "")]
+
+    return pieces
 
 
 def _usage_sentence(error) -> str:
@@ -144,9 +205,10 @@ def main() -> None:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         _run(command)
-    finally:  # the caller's handler again (main() also runs in-process, under tests)
+    finally:  # the caller's handler and progress bars again (main() also runs in-process, under tests)
         signal.signal(signal.SIGTERM, previous)
         _received["sigterm"] = False
+        _show_library_progress_bars_again()
 
 
 if __name__ == "__main__":

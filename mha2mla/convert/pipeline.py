@@ -31,6 +31,7 @@ from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.output.portable import portable_violations
 from mha2mla.convert.output.serving import serving_sections
 from mha2mla.convert.output.target_config import deepseek_config
+from mha2mla.convert.phases import PhaseClock, phase
 from mha2mla.convert.plan.engines import engine_violations
 from mha2mla.convert.plan.resolve import ConversionPlan, make_plan
 from mha2mla.convert.source_reader import SourceReader
@@ -73,7 +74,9 @@ def _command_line() -> str:
 
 
 def _progress(iterable, total: int, enabled: bool, description: str):
-    return tqdm(iterable, total=total, desc=description, unit="layer") if enabled else iterable
+    """A bar over the layers when ``enabled`` and stderr is a terminal (tqdm's ``disable=None``): a pipe or a log
+    file gets no carriage-return redraws."""
+    return tqdm(iterable, total=total, desc=description, unit="layer", disable=None) if enabled else iterable
 
 
 def prepare_out(out: Path, force: bool, source: str | Path) -> None:
@@ -109,7 +112,8 @@ def convert(
     reader = SourceReader(ckpt, family, plan)
     stream = calibration_stream(reader) if plan.calibrated else None
 
-    with staged_output(out, force=force) as tmp:  # swapped into OUT only once everything is written
+    clock = PhaseClock(stream.device if stream is not None else None)
+    with staged_output(out, force=force) as tmp, clock.running():  # swapped into OUT once everything is written
         report = _write_checkpoint(reader, tmp, stream, progress)
         report.source, report.command = str(source), command or _command_line()
         report.mha2mla_version, report.options = __version__, options.model_dump()
@@ -117,8 +121,10 @@ def convert(
         report.peak_rss_gib = round(peak_rss_bytes() / 1024**3, 3)
         if stream is not None and stream.device.type == "cuda":
             report.peak_gpu_gib = round(torch.cuda.max_memory_allocated(stream.device) / 1024**3, 3)
+        with phase("writing"):
+            write_model_card(tmp, report, serving_sections(report.plan))
+        report.phase_seconds, report.phase_cpu_seconds = clock.totals()
         write_conversion_report(tmp, report)
-        write_model_card(tmp, report, serving_sections(report.plan))
     return ConversionResult(out=out, plan=plan, report=report)
 
 
@@ -127,12 +133,17 @@ def _convert_layer(reader: SourceReader, layer: int, stream: CalibrationStream |
     the plan's steps convert it, and the stream advances through it (through the converted attention when
     sequential); the latent is written balanced against the layer's input (steps/norm.balance_latent)."""
     plan = reader.plan
-    activations = stream.enter(layer) if stream is not None else None
-    stats = measure(activations) if activations is not None else LayerStatistics()
+    activations, stats = None, LayerStatistics()
+    if stream is not None:
+        with phase("layer read"):
+            activations = stream.enter(layer)
+        with phase("statistics"):
+            stats = measure(activations)
     work = LayerWork(layer=layer, plan=plan, source=reader.attention(layer, stats), stats=stats, activations=activations)
     tensors = convert_attention(work)
     if stream is not None:
-        stream.advance(activations, work.tensors if plan.methods.sequential else None)
+        with phase("advance"):
+            stream.advance(activations, work.tensors if plan.methods.sequential else None)
     work.tensors = balance_latent(tensors, work.source.input_norm_weight, plan.kv_lora_rank)
     return work
 
@@ -149,20 +160,22 @@ def _write_checkpoint(reader: SourceReader, folder: Path, stream: CalibrationStr
         work = _convert_layer(reader, layer, stream)
         work.report["seconds"] = round(time.time() - layer_started, 2)
         prefix = f"model.layers.{layer}"
-        for name, tensor in work.tensors.items():
-            writer.add(f"{prefix}.self_attn.{name}", tensor)
+        with phase("writing"):
+            for name, tensor in work.tensors.items():
+                writer.add(f"{prefix}.self_attn.{name}", tensor)
+            writer.add(f"{prefix}.input_layernorm.weight", work.source.input_norm_weight)
+            writer.add(f"{prefix}.post_attention_layernorm.weight", reader.tensor("post_attention_layernorm", layer))
+            for key, tensor in reader.mlp(layer).items():
+                writer.add(f"{prefix}.mlp.{key}.weight", tensor)
         kv_b_weights[f"{prefix}.self_attn.kv_b_proj.weight"] = work.tensors["kv_b_proj.weight"]
-        writer.add(f"{prefix}.input_layernorm.weight", work.source.input_norm_weight)
-        writer.add(f"{prefix}.post_attention_layernorm.weight", reader.tensor("post_attention_layernorm", layer))
-        for key, tensor in reader.mlp(layer).items():
-            writer.add(f"{prefix}.mlp.{key}.weight", tensor)
         layers.append({"layer": layer, **work.report})
         dropped.update(work.written.dropped_biases)
-    writer.add("model.norm.weight", reader.tensor("final_norm"))
-    if plan.untie_embeddings or not ckpt.config.get("tie_word_embeddings", False):
-        writer.add("lm_head.weight", reader.lm_head())
-    writer.finish()
-    _write_metadata(ckpt, plan, folder, kv_b_weights)
+    with phase("writing"):
+        writer.add("model.norm.weight", reader.tensor("final_norm"))
+        if plan.untie_embeddings or not ckpt.config.get("tie_word_embeddings", False):
+            writer.add("lm_head.weight", reader.lm_head())
+        writer.finish()
+        _write_metadata(ckpt, plan, folder, kv_b_weights)
     if dropped:
         log.warning("portable profile: source biases %s cannot be carried exactly and were dropped "
                     "(use --profile exact to keep them, or recover to heal).", sorted(dropped))

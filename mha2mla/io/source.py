@@ -103,6 +103,24 @@ def _dequantising():
     return GgufConfig(dequantize=True)
 
 
+@contextlib.contextmanager
+def _dequantising_bar_follows_transformers() -> Iterator[None]:
+    """transformers draws its "de-quantizing GGUF tensors" bar with tqdm itself; for the load it gets transformers'
+    own tqdm, which honours ``transformers.utils.logging.disable_progress_bar()`` as the library's other bars do."""
+    from transformers import modeling_gguf_pytorch_utils as module
+    from transformers.utils import logging as transformers_logging
+
+    original = getattr(module, "tqdm", None)
+    if original is None:
+        yield
+        return
+    module.tqdm = transformers_logging.tqdm
+    try:
+        yield
+    finally:
+        module.tqdm = original
+
+
 def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
     """Load a .gguf file with transformers (dequantised) as a plain, unquantised model and its tokenizer.
     ``model_kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
@@ -114,9 +132,10 @@ def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
     if dequantise is not None:
         model_kwargs.setdefault("quantization_config", dequantise)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype or torch.float32, **model_kwargs
-        )
+        with _dequantising_bar_follows_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype or torch.float32, **model_kwargs
+            )
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as error:
         raise UserError(f"could not read {gguf_path} as a GGUF model ({_first_line(error)}).") from error
