@@ -41,6 +41,13 @@ def resolve_dtype(dtype: str | torch.dtype | None):
     return DTYPES[dtype]
 
 
+def gguf_dtype(dtype):
+    """The dtype a GGUF model computes in: ``auto`` is bfloat16, the dtype a conversion of a GGUF writes by default
+    (mha2mla/convert/plan/resolve.py), so a GGUF source and its conversion are timed in the same dtype rather than
+    the float32 its dequantised weights would otherwise load in."""
+    return torch.bfloat16 if dtype == "auto" else dtype
+
+
 def _check_causal_lm_folder(folder: Path) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -85,7 +92,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "auto", device: str 
         from mha2mla.io.source import load_gguf_model
 
         kind, name = "gguf", path.stem
-        model, tokenizer = load_gguf_model(path, torch_dtype)
+        model, tokenizer = load_gguf_model(path, gguf_dtype(torch_dtype))
     elif path.is_dir():
         config = _check_causal_lm_folder(path)
         kind, name = "folder", path.name
