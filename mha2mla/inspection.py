@@ -14,7 +14,7 @@ from mha2mla.convert.plan.resolve import make_plan
 from mha2mla.convert.plan.shape import DTYPES, SourceShape
 from mha2mla.families import family_for_config
 from mha2mla.io.model_folder import read_config
-from mha2mla.io.source import check_source, gguf_config, gguf_tensor_types, resolve_source
+from mha2mla.io.source import check_source, gguf_config, resolve_source
 
 BUDGETS = (0.5, 0.3125, 0.25, 0.1875, 0.125, 0.0625)
 MLA_KEYS = ("num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -121,7 +121,7 @@ def inspect_model(model: str) -> dict:
         "attention": "MHA" if shape.num_heads == shape.num_kv_heads else ("MQA" if shape.num_kv_heads == 1 else "GQA"),
         "head_dim": shape.head_dim,
         "rope": rope_text(rope),
-        "source_dtype": f"{gguf_tensor_types(Path(model).expanduser())} (GGUF; dequantised to float32 to convert)"
+        "source_dtype": "GGUF (quantised or half precision; dequantised to float32 to convert)"
         if source_format == "gguf" else str(config.get("dtype") or config.get("torch_dtype")),
         "kv_values_per_token_per_layer": shape.kv_values_per_token_per_layer,
         "kv_bytes_per_token": shape.kv_values_per_token_per_layer * shape.num_layers * DTYPES[dtype].itemsize,

@@ -32,9 +32,12 @@ def _checkout_cache() -> Path | None:
     return root / ".cache" if (root / "scripts" / "assets.py").is_file() else None
 
 
-def cache_dir() -> Path:
+def cache_dir(create: bool = True) -> Path:
+    """The cache folder, made when missing unless ``create`` is false (a reader that only looks for an entry)."""
     root = os.environ.get("MHA2MLA_CACHE") or _checkout_cache() or Path.home() / ".cache" / "mha2mla"
     path = Path(root)
+    if not create:
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mha2mla import UserError
 from mha2mla.io.cache import cache_dir
-from mha2mla.io.model_folder import CONFIG_FILE, check_weights, source_kind
+from mha2mla.io.model_folder import CONFIG_FILE, check_weights, read_config, source_kind
 from mha2mla.io.output import remove_stale, staging_path, write_errors
 
 try:
@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "README.md"]
 
 
-def _gguf_cache_folder(gguf_path: Path) -> Path:
+def _gguf_cache_folder(gguf_path: Path, create: bool = True) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+    return cache_dir(create) / "gguf" / f"{gguf_path.stem}-{key}"
 
 
 def check_source(source: str | Path) -> None:
@@ -60,13 +60,17 @@ def _first_line(error: Exception) -> str:
 
 
 def gguf_config(gguf_path: str | Path) -> dict:
-    """The config.json a dequantised copy of ``gguf_path`` holds, built from the file's metadata alone: transformers
-    reads it with the gguf package's GGUFReader, which memory-maps the file, so no tensor is read or dequantised."""
+    """The config.json a dequantised copy of ``gguf_path`` holds: the cached copy's when a conversion made one, else
+    built from the file's metadata alone -- transformers reads it with the gguf package's GGUFReader, which
+    memory-maps the file, so no tensor is read or dequantised and nothing is cached."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     gguf_path = Path(gguf_path)
     check_gguf_magic(gguf_path)
+    cached = _gguf_cache_folder(gguf_path, create=False) / CONFIG_FILE
+    if cached.is_file():
+        return read_config(cached.parent)
     try:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).to_dict()
     except Exception as error:
@@ -76,20 +80,6 @@ def gguf_config(gguf_path: str | Path) -> dict:
     config["architectures"] = config.get("architectures") or ([model_class] if model_class else None)
     config["dtype"] = "float32"
     return config
-
-
-def gguf_tensor_types(gguf_path: str | Path) -> str:
-    """The tensor types of a GGUF file with their counts, most common first (``Q4_1 x 211, F32 x 61``), read from
-    its memory-mapped header."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-
-    try:
-        types = Counter(tensor.tensor_type.name for tensor in GGUFReader(str(gguf_path)).tensors)
-    except Exception as error:
-        raise UserError(f"could not read {gguf_path} as a GGUF model ({_first_line(error)}).") from error
-    return ", ".join(f"{name} x {count}" for name, count in types.most_common())
 
 
 def _dequantising():
