@@ -12,17 +12,11 @@ The **floor** is one forward of the whole source (embedding, every decoder layer
 very calibration tokens the conversion reads, in the conversion's compute dtype, threads and batch size (logits
 made and dropped batch by batch). Then the **default conversion** (``mha2mla.convert.pipeline.convert`` with the
 product's options; ``--kv-budget``, ``--compute-dtype``, ``--calib-samples`` as convert's) runs in the same process,
-each phase timed exclusively (time spent in a phase called from another counts in the inner one only):
+its phases read from the conversion report (``phase_seconds``, ``phase_cpu_seconds``: exclusive wall and CPU
+seconds per phase, listed in mha2mla/convert/phases.py); "other" here also holds the source's opening and planning.
 
-- statistics: the calibration measure (moments, the source attention's probabilities);
-- solves: the closed-form latent steps (rope mixing and compensation, the low rank's eigen/least-squares work, assembly);
-- refinement: the Adam fits inside the latent steps (the attention-aware latent, the kv_a_layernorm stabiliser);
-- source heads: the source attention's head outputs on the source stream (read by the refit and the reconstruction);
-- refit, reconstruction: the two fit steps; advance: both streams pushed through the layer;
-- layer read: the source layer's weights read for the stream; writing: tensors, metadata, card; other: the rest.
-
-With ``--calib-device cuda`` the floor runs on the GPU too and every phase boundary waits for the GPU (so each phase
-is charged with its own kernels). Wall and CPU seconds (the process's, every thread's): on a machine other jobs share, the CPU ratio moves far less with
+With ``--calib-device cuda`` the floor runs on the GPU too, and the conversion's clock waits for the GPU at every phase
+boundary (so each phase is charged with its own kernels). Wall and CPU seconds (the process's, every thread's): on a machine other jobs share, the CPU ratio moves far less with
 their load. Peak memory of the conversion alone: VmHWM, reset after the floor (``/proc/self/clear_refs``).
 ``--quality`` adds the held-out perplexity of the converted model (mha2mla.evaluation.perplexity; for a
 ``--first-layers`` cut no quality figure, only a check that two runs agree). Prints the floor as a JSON line as soon
@@ -36,8 +30,6 @@ import json
 import sys
 import tempfile
 import time
-from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 GIB = 1024**3
@@ -46,75 +38,6 @@ GIB = 1024**3
 def clocks() -> tuple[float, float]:
     """(wall, CPU) seconds now: the process's CPU time, every thread's, moves far less than wall time with other jobs' load."""
     return time.perf_counter(), time.process_time()
-
-
-class PhaseClock:
-    """Exclusive wall and CPU seconds per phase: a phase entered inside another stops the outer one's clocks.
-    ``sync``: called before every clock reading (a CUDA synchronize when the conversion runs on a GPU, so that a
-    phase is charged with the kernels it queued, not the next phase that waits for them)."""
-
-    def __init__(self, sync=None):
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.cpu_seconds: dict[str, float] = defaultdict(float)
-        self.stack: list[list] = []  # [name, wall started, CPU started]
-        self.sync = sync or (lambda: None)
-
-    def now(self) -> tuple[float, float]:
-        self.sync()
-        return clocks()
-
-    def _add(self, entry: list, now: tuple[float, float]) -> None:
-        self.seconds[entry[0]] += now[0] - entry[1]
-        self.cpu_seconds[entry[0]] += now[1] - entry[2]
-
-    def wrap(self, name: str, function):
-        def timed(*args, **kwargs):
-            now = self.now()
-            if self.stack:
-                self._add(self.stack[-1], now)
-            self.stack.append([name, *now])
-            try:
-                return function(*args, **kwargs)
-            finally:
-                done = self.now()
-                self._add(self.stack.pop(), done)
-                if self.stack:
-                    self.stack[-1][1:] = done
-        return timed
-
-
-@contextmanager
-def patched(clock: PhaseClock):
-    """Time the conversion's phases by wrapping the functions the pipeline calls (restored on exit)."""
-    import dataclasses
-
-    from mha2mla.convert import pipeline
-    from mha2mla.convert.calibration import stream
-    from mha2mla.convert.steps import attention, lowrank, norm, registry
-    from mha2mla.io.writer import ShardedWriter
-
-    phase_of_kind = {"rope_mixing": "solves", "rope_compensation": "solves", "lowrank": "solves", "kv_norm": "solves",
-                     "refit": "refit", "reconstruct": "reconstruction"}
-    targets = [(pipeline, "measure", "statistics"), (attention, "assemble", "solves"),
-               (lowrank, "optimise_down", "refinement"), (norm, "stabilized_norm", "refinement"),
-               (stream.LayerActivations, "source_heads", "source heads"), (stream.CalibrationStream, "advance", "advance"),
-               (stream.CalibrationStream, "enter", "layer read"), (ShardedWriter, "add", "writing"),
-               (ShardedWriter, "finish", "writing"), (pipeline, "_write_metadata", "writing"),
-               (pipeline, "write_model_card", "writing")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets] + [(attention, "step", attention.step)]
-    for owner, name, phase in targets:
-        setattr(owner, name, clock.wrap(phase, getattr(owner, name)))
-
-    def timed_step(kind, name):
-        found = registry.step(kind, name)
-        return dataclasses.replace(found, function=clock.wrap(phase_of_kind[kind], found.function))
-
-    attention.step = timed_step
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
 
 
 def peak_rss() -> int:
@@ -178,26 +101,25 @@ def _calibration_tokens(plan, folder: Path):
 
 
 def conversion(source: Path, options, work: str | None, quality: bool, windows: int) -> dict:
-    """The default conversion with its phases timed; its held-out perplexity when ``quality``."""
-    import torch
-
+    """The default conversion, its phases as its report gives them (convert/phases.py); its held-out perplexity
+    when ``quality``."""
     from mha2mla.convert.pipeline import convert
 
-    clock = PhaseClock(device_sync(torch.device(options.calib_device)))
     reset_peak_rss()
-    with tempfile.TemporaryDirectory(dir=work) as tmp, patched(clock):
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
         started = clocks()
         result = convert(source, Path(tmp) / "out", options, progress=True, command="benchmarks/convert_cost.py")
         wall, cpu = (end - start for end, start in zip(clocks(), started))
         peak = peak_rss()
         perplexity = _perplexity(Path(tmp) / "out", windows) if quality else None
-    phases = {name: round(seconds, 2) for name, seconds in clock.seconds.items()}
-    phases["other"] = round(wall - sum(clock.seconds.values()), 2)
-    cpu_phases = {name: round(seconds, 2) for name, seconds in clock.cpu_seconds.items()}
-    cpu_phases["other"] = round(cpu - sum(clock.cpu_seconds.values()), 2)
-    layers = result.report.layers
+    report = result.report
+    # the report's "other" starts when the pipeline opens its clock; the source's opening and planning before it
+    phases, cpu_phases = dict(report.phase_seconds), dict(report.phase_cpu_seconds)
+    phases["other"] = round(wall - sum(v for k, v in phases.items() if k != "other"), 2)
+    cpu_phases["other"] = round(cpu - sum(v for k, v in cpu_phases.items() if k != "other"), 2)
+    layers = report.layers
     return {"seconds": round(wall, 2), "phases": phases, "cpu_seconds": round(cpu, 2), "cpu_phases": cpu_phases,
-            "peak_rss_gib": round(peak / GIB, 3), "peak_gpu_gib": result.report.peak_gpu_gib,
+            "peak_rss_gib": round(peak / GIB, 3), "peak_gpu_gib": report.peak_gpu_gib,
             "reconstruction_steps": sum(layer.get("reconstruction_steps", 0) for layer in layers),
             # per layer: the held-out error at each of the reconstruction's measurements (every EVAL_EVERY steps)
             "reconstruction_curves": [layer["reconstruction_curve"] for layer in layers if "reconstruction_curve" in layer],

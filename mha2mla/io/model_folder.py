@@ -171,6 +171,9 @@ class ConversionReport:
     elapsed_seconds: float = 0.0
     peak_rss_gib: float = 0.0
     peak_gpu_gib: float | None = None  # calibrated on a GPU only
+    # wall and CPU seconds per phase of the conversion, "other" for the rest (convert/phases.py)
+    phase_seconds: dict = field(default_factory=dict)
+    phase_cpu_seconds: dict = field(default_factory=dict)
 
     def mean_errors(self) -> tuple[float, float]:
         """The mean relative K and V reconstruction errors over the layers."""

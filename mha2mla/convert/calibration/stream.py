@@ -29,6 +29,7 @@ from mha2mla.compute import torch_dtype
 from mha2mla.convert.calibration.data import calibration_documents, calibration_token_ids
 from mha2mla.convert.calibration.memory import calibration_batch, check_budget, host_buffer
 from mha2mla.convert.output.target_config import deepseek_config_object
+from mha2mla.convert.phases import phase
 from mha2mla.convert.plan.resolve import ConversionPlan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.devices import resolve_device
@@ -160,8 +161,12 @@ class LayerActivations:
     def source_heads(self) -> torch.Tensor:
         """(N, L, H·d): the source attention's head outputs (what its o_proj reads) on the source stream (the one
         stream when there is no second)."""
-        if self.computed_heads is not None:
-            return self.computed_heads
+        if self.computed_heads is None:
+            with phase("source heads"):
+                self.computed_heads = self._compute_source_heads()
+        return self.computed_heads
+
+    def _compute_source_heads(self) -> torch.Tensor:
         attention = self.source.self_attn
         stream = self.hidden if self.source_hidden is None else self.source_hidden
         heads = self.stream.buffer((*stream.shape[:2], attention.o_proj.in_features))
@@ -173,7 +178,6 @@ class LayerActivations:
                 heads[batch] = captured.pop()
         finally:
             hook.remove()
-        self.computed_heads = heads
         return heads
 
     def source_output(self, h: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:

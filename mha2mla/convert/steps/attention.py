@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from mha2mla.convert.phases import PHASE_OF_STEP, phase
 from mha2mla.convert.steps.norm import neutralised_norm
 from mha2mla.convert.steps.records import LayerWork
-from mha2mla.convert.steps.registry import FIT_KINDS, LATENT_KINDS, step
+from mha2mla.convert.steps.registry import FIT_KINDS, LATENT_KINDS, no_fit, step
 from mha2mla.convert.steps.rope import interleaved_order
 
 F64 = torch.float64
@@ -75,7 +76,10 @@ def _energy(rows: torch.Tensor, cov: torch.Tensor | None) -> float:
 def run_steps(work: LayerWork, kinds: tuple[str, ...]) -> None:
     """Run the plan's step of each kind in ``kinds`` on ``work``, in order."""
     for kind in kinds:
-        step(kind, getattr(work.plan.methods, kind)).function(work)
+        function = step(kind, getattr(work.plan.methods, kind)).function
+        if function is not no_fit:  # a fit step the plan leaves out is not charged to a phase
+            with phase(PHASE_OF_STEP.get(kind, kind)):
+                function(work)
 
 
 def assemble(work: LayerWork) -> None:
@@ -102,7 +106,8 @@ def convert_attention(work: LayerWork) -> dict[str, torch.Tensor]:
     """Every step of the plan on one layer: the latent steps, the assembly, the fit steps. Returns the layer's
     tensors, value heads padded to the plan's ``v_head_dim``; ``work.report`` holds the layer's report."""
     run_steps(work, LATENT_KINDS)
-    assemble(work)
+    with phase("solves"):
+        assemble(work)
     run_steps(work, FIT_KINDS)
     plan = work.plan
     return pad_value_heads(work.tensors, plan.shape.num_heads, plan.shape.head_dim, plan.v_head_dim)

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from mha2mla.convert.phases import phase
 from mha2mla.convert.steps.reconstruct import FUSED_ADAM_DEVICES
 from mha2mla.convert.steps.records import Latent, LayerWork
 from mha2mla.convert.steps.registry import register, require
 
 # Adam steps refining the attention-aware latent (enough to converge on SmolLM2: docs/calibration.md)
 LATENT_STEPS = 50
-
 
 THREADS = torch.get_num_threads()  # what the process started with
 
@@ -235,7 +235,7 @@ def _attention_aware_low_rank(key_nope, value, rank, input_covariance, value_cov
                 if energy["key"] > 0:
                     prepared.append((*blocks["key"][g], 1.0 / energy["key"]))
                 prepared.append((*blocks["value"][g], 1.0 / energy["value"]))
-            with threads(THREADS):  # float32 products: every thread
+            with threads(THREADS), phase("refinement"):  # float32 products: every thread
                 down = optimise_down(prepared, down, steps, device=device)
         up_k = _head_regressions(key_nope, key_covariances, down, dtype, device)
         up_v = _head_regressions(value, value_covariances, down, dtype, device)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mha2mla.convert.phases import phase
 from mha2mla.convert.steps.records import LatentTensors, LayerWork
 from mha2mla.convert.steps.registry import register, require
 from mha2mla.modeling.rmsnorm import latent_scale_ratio, normalises
@@ -201,7 +202,9 @@ def stabilized_latent(work: LayerWork) -> None:
     """Portable, calibrated: one stabiliser channel keeps each token's latent RMS steady."""
     sample = require(work.stats.input_sample, "input sample", "stabilised kv_a_layernorm").to(torch.float64)
     cov = require(work.stats.input_covariance, "input covariance", "stabilised kv_a_layernorm").to(torch.float64)
-    work.written = _portable_latent(work, stabilized_norm(work.latent.down, cov, sample, channels=1))
+    with phase("refinement"):
+        fitted = stabilized_norm(work.latent.down, cov, sample, channels=1)
+    work.written = _portable_latent(work, fitted)
 
 
 def balance_latent(tensors: dict[str, torch.Tensor], input_norm_weight: torch.Tensor,
