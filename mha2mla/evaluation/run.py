@@ -22,10 +22,9 @@ from mha2mla.evaluation.report import check_report_folder, write_report
 from mha2mla.evaluation.tasks import check_tasks, parse_task_list, task_manager
 from mha2mla.io import model_folder
 from mha2mla.io.model_folder import CONVERSION_REPORT
-from mha2mla.io.output import write_errors
+from mha2mla.io.output import user_path, what_it_is, write_errors
 
 log = logging.getLogger(__name__)
-
 
 
 def measurement_prompt(tokenizer, model, num_tokens: int = PROMPT_TOKENS) -> torch.Tensor:
@@ -44,9 +43,10 @@ def text_task_name(path: str | Path) -> str:
 
 def check_text_file(path: str | Path) -> Path:
     """Fail early on a --text path that is not a readable file."""
-    path = Path(path).expanduser()
+    path = user_path(path)
     if not path.is_file():
-        raise UserError(f"--text {path} is not a file; pass the path of a UTF-8 text file.")
+        what = f"is {what_it_is(path)}" if path.exists() else "does not exist"
+        raise UserError(f"--text {path} {what}; pass the path of a UTF-8 text file.")
     return path
 
 
@@ -167,5 +167,5 @@ def run_eval(config: EvalConfig) -> dict:
         "mha2mla_version": __version__,
         "lm_eval_version": lm_eval.__version__,
     }
-    with write_errors(Path(config.out)):
-        return write_report(results, settings, Path(config.out))
+    with write_errors(user_path(config.out)):
+        return write_report(results, settings, user_path(config.out))

@@ -21,6 +21,7 @@ import torch
 from mha2mla import UserError, __version__
 from mha2mla.convert.output.portable import check_portable_folder
 from mha2mla.export.vocab import check_pre_tokenizer, read_vocab
+from mha2mla.io.output import user_path
 from mha2mla.io.output_file import check_file_destination, staged_file
 from mha2mla.io.reader import LazyCheckpoint
 
@@ -75,13 +76,13 @@ def export_gguf(model_folder: str | Path, out_path: str | Path, tensor_type: str
 
     ``tensor_type``: one of :data:`TENSOR_TYPES` for the matrices (norms stay float32; with a block quantisation
     the latent projection, and any matrix whose rows do not split into blocks, are written as f16). ``pre_tokenizer``: the llama.cpp pre-tokenizer name, when
-    the one in tokenizer.json is not recognised. Returns ``out_path``."""
-    folder, out = Path(model_folder), Path(out_path)
+    the one in tokenizer.json is not recognised. Returns ``out_path`` (a ``~`` in it expanded, as everywhere)."""
+    folder, out = user_path(model_folder), user_path(out_path)
     if tensor_type not in TENSOR_TYPES:
         raise UserError(f"unknown --type {tensor_type!r}; choose one of {', '.join(TENSOR_TYPES)}.")
     check_pre_tokenizer(pre_tokenizer)
-    check_file_destination(out, [("the model being exported", folder)], force=force, is_ours_file=written_by_mha2mla,
-                           kind="GGUF")
+    check_file_destination(out_path, [("the model being exported", folder)], force=force,
+                           is_ours_file=written_by_mha2mla, kind="GGUF")
     ckpt = LazyCheckpoint(folder)
     check_exportable(folder, ckpt.config)
     dims = Dims.from_config(ckpt.config)

@@ -1,93 +1,78 @@
 """Where mha2mla writes a model folder, and how, so that a user's files are never lost.
 
 The one implementation behind every output folder: ``convert``'s OUT (mha2mla/convert/pipeline.py) and
-``recover``'s --out (mha2mla/train/merge.py); the GGUF cache (mha2mla/io/source.py) uses its staging names.
+``recover``'s --out (mha2mla/train/merge.py); the GGUF cache (mha2mla/io/source.py) uses its staging names
+(mha2mla/io/staging.py). A ``~`` in OUT is the home folder, for the checks and the writing alike.
 
 - OUT is never a symbolic link or a file, never an input (the source model, or a folder holding it), never the
   current folder or one above it, and it lies in a folder that can be written. A folder the user made read-only
-  (no write bit, even for root) is left alone.
+  (no write bit, even for root) is left alone. A name longer than the file system allows is one sentence.
 - An existing OUT is replaced only when it is empty, or, with --force, when mha2mla wrote it: it holds one of
-  :data:`MARKERS` (every output folder gets one) and nothing else than what mha2mla wrote there: the names its
-  list in mha2mla/io/written.py (written into every output folder), a recover run's checkpoints and logs, and, for a folder
-  written before manifests existed, the file names a conversion writes. A folder holding anything else (the user's
-  notes, a results folder) is refused with the names, --force or not, so no user file is ever deleted.
+  its markers and its list of what it wrote there (mha2mla/io/written.py), and nothing else: no entry the list
+  does not name, no listed file changed since (a model card edited by hand), no recover checkpoints (a run that
+  can still resume). Such a folder is refused with the names, --force or not, so no user file is ever deleted.
 - The new folder is written next to OUT under a hidden name carrying the writer's PID and host
-  (``.OUT.mha2mla-tmp.PID.HOST.XXXXXXXX``) and swapped in at the end: the old OUT is moved aside
-  (``.OUT.mha2mla-old.…``), the new one renamed to OUT, then the old one deleted. An error or Ctrl-C removes the new
-  folder. What a killed writer left is removed by the next run that writes next to it (a moved-aside OUT whose
-  replacement never arrived is put back instead).
+  (``.OUT.mha2mla-tmp.PID.HOST.XXXXXXXX``, shortened with a hash when OUT's name is long) and swapped in at the
+  end: the old OUT is moved aside (``.OUT.mha2mla-old.…``), the new one renamed to OUT, then the old one deleted.
+  An error or Ctrl-C removes the new folder. What a killed writer left is removed by the next run that writes next
+  to it (a moved-aside OUT whose replacement never arrived is put back instead).
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import re
-import secrets
 import shutil
-import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.written import MANIFEST, foreign_entries, is_ours, write_manifest
+from mha2mla.io.staging import NAME_MAX, discard_aside, move_aside, put_back, remove_stale, staging_path
+from mha2mla.io.written import (
+    MANIFEST,
+    changed_entries,
+    checkpoint_entries,
+    foreign_entries,
+    is_ours,
+    record_written,
+    write_manifest,
+    written_names,
+)
 
-log = logging.getLogger(__name__)
-
-_STAGED = re.compile(r"^\.(?P<name>.+)\.mha2mla-(?P<kind>tmp|old)\.(?P<pid>\d+)\.(?P<host>[A-Za-z0-9-]+)\.[0-9a-f]+$")
 _WRITE_HINTS = {
     errno.ENOSPC: "free some space or write to another disk",
     errno.EDQUOT: "free some space or write to another disk",
     errno.EROFS: "write to a writable file system",
     errno.EACCES: "fix the permissions or write elsewhere",
     errno.EPERM: "fix the permissions or write elsewhere",
+    errno.ENAMETOOLONG: "choose a shorter path",
 }
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0]) or "localhost"
+def user_path(path: str | Path) -> Path:
+    """A path as the user meant it: ``~`` is the home folder (also when the shell did not expand it, quoted)."""
+    return Path(path).expanduser()
 
 
-def staging_path(target: Path, kind: str = "tmp") -> Path:
-    """A fresh hidden sibling name of ``target`` carrying this process's PID and host (``kind``: tmp or old)."""
-    return target.parent / f".{target.name}.mha2mla-{kind}.{os.getpid()}.{_host()}.{secrets.token_hex(4)}"
+def what_it_is(path: Path) -> str:
+    """What an existing ``path`` is, as the end of "X is ...": a file, a folder or something else."""
+    if path.is_dir():
+        return "a folder"
+    if path.is_file():
+        return "a file"
+    return "not a regular file or folder (a device, a pipe or a socket)"
 
 
-def _alive(pid: int) -> bool:
-    if os.name != "posix":  # no cheap, safe liveness probe: never clean
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale(folder: Path) -> None:
-    """Remove the staging folders in ``folder`` whose writer (on this host) is no longer running; a moved-aside
-    folder whose replacement never arrived goes back to its name."""
-    try:
-        entries = sorted(Path(folder).iterdir(), key=lambda path: ".mha2mla-old." not in path.name)
-    except OSError:
-        return
-    for path in entries:
-        match = _STAGED.match(path.name)
-        if not match or match["host"] != _host() or _alive(int(match["pid"])):
-            continue
-        original = path.parent / match["name"]
-        if match["kind"] == "old" and not os.path.lexists(original):
-            os.rename(path, original)
-            log.warning("put %s back: a killed run had moved it aside", original)
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        log.info("removed %s, left by a run that was killed", path)
+def check_name_length(out: str | Path, name: str = "OUT") -> None:
+    """Refuse a path with a name longer than the file system allows (NAME_MAX bytes), before anything looks at it."""
+    for part in user_path(out).parts:
+        size = len(os.fsencode(part))
+        if size > NAME_MAX:
+            shown = part if len(part) <= 40 else part[:37] + "..."
+            raise UserError(f"the name {shown} in {name} is {size} bytes long, longer than the {NAME_MAX} bytes a "
+                            f"file system allows; choose a shorter {name}.")
 
 
 def first_existing(target: Path) -> Path:
@@ -124,47 +109,69 @@ def check_parent(out: Path, target: Path, name: str) -> None:
     """Refuse an ``out`` whose nearest existing ancestor is a file or cannot be written."""
     parent = first_existing(target.parent)
     if not parent.is_dir():
-        raise UserError(f"{parent} is a file, so {name} {out} cannot be created there; choose another {name}.")
+        raise UserError(f"{parent} is {what_it_is(parent)}, so {name} {out} cannot be created there; choose another {name}.")
     if read_only(parent):
         raise UserError(f"cannot write into {parent} (no write permission); choose an {name} in a folder you can write to.")
 
 
 def check_destination(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]] = (), *, name: str = "OUT") -> None:
     """Refuse an OUT that can never be written safely. ``inputs``: (label, path) pairs of what the command reads."""
-    out = Path(out)
+    check_name_length(out, name)
+    shown, out = out, user_path(out)
     if out.is_symlink():
-        raise UserError(f"{name} {out} is a symbolic link; give the folder it points to ({os.readlink(out)}) or a new path.")
-    target = out.expanduser().resolve()
-    _check_inputs(out, target, inputs, name)
+        raise UserError(f"{name} {shown} is a symbolic link; give the folder it points to ({os.readlink(out)}) or a new path.")
+    target = out.resolve()
+    _check_inputs(shown, target, inputs, name)
     try:
         cwd = Path.cwd().resolve()
     except OSError:  # the current folder was deleted
         cwd = None
     if cwd is not None and is_within(cwd, target):
-        raise UserError(f"{name} {out} is the current folder or one above it; give a new folder, e.g. ./{target.name or 'model'}-mla.")
+        raise UserError(f"{name} {shown} is the current folder or one above it; give a new folder, e.g. ./{target.name or 'model'}-mla.")
     if out.exists() and not out.is_dir():
-        raise UserError(f"{name} {out} is a file; give a folder path.")
+        raise UserError(f"{name} {shown} is {what_it_is(out)}; give a folder path.")
     if out.is_dir() and read_only(out):
-        raise UserError(f"{name} {out} is read-only; make it writable (chmod u+w) or choose another {name}.")
-    check_parent(out, target, name)
+        raise UserError(f"{name} {shown} is read-only; make it writable (chmod u+w) or choose another {name}.")
+    check_parent(shown, target, name)
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def check_replaceable(out: str | Path, force: bool, *, name: str = "OUT", carry: bool = False) -> None:
-    """An existing non-empty OUT may be replaced only with ``force``, only when mha2mla wrote it and only when it
-    holds nothing mha2mla did not write (``carry``: its entries move into the new folder, so none is lost)."""
-    out = Path(out)
+    """An existing non-empty OUT may be replaced only with ``force``, only when mha2mla wrote it and only when all
+    it holds is what mha2mla's list there names, unchanged, and no recover checkpoints (``carry``: its entries
+    move into the new folder, so none is lost and the list is not needed)."""
+    shown, out = out, user_path(out)
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not is_ours(out):
         hint = " (--force replaces only mha2mla's own output folders)" if name == "OUT" else ""
-        raise UserError(f"{name} {out} is not empty and was not written by mha2mla; choose another {name}{hint}.")
-    foreign = [] if carry else foreign_entries(out)
+        raise UserError(f"{name} {shown} is not empty and was not written by mha2mla; choose another {name}{hint}.")
+    if carry:
+        return
+    if written_names(out) is None:
+        raise UserError(f"{name} {shown} is an mha2mla output without its list of what mha2mla wrote ({MANIFEST}), "
+                        f"so nothing in it can be told from your files; delete it by hand or choose another {name}.")
+    checkpoints = checkpoint_entries(out)
+    if checkpoints:
+        raise UserError(f"{name} {shown} holds the checkpoints of a recover run ({_listing(checkpoints)}), which "
+                        f"--force never deletes; finish the run with --resume auto, or move them away or delete them "
+                        f"by hand, or choose another {name}.")
+    foreign = foreign_entries(out)
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise UserError(f"{name} {out} is an earlier mha2mla output but also holds files mha2mla did not write "
-                        f"({shown}); move them out or choose another {name}: nothing of yours is ever replaced.")
+        raise UserError(f"{name} {shown} is an earlier mha2mla output but also holds files mha2mla did not write "
+                        f"({_listing(foreign)}); move them out or choose another {name}: nothing of yours is ever replaced.")
+    changed = changed_entries(out)
+    if changed:
+        what = ("the model card mha2mla wrote (README.md), edited since" if changed == ["README.md"] else
+                f"files changed since mha2mla wrote them ({_listing(changed)})")
+        them = "it" if len(changed) == 1 else "them"
+        raise UserError(f"{name} {shown} holds {what}; move {them} away or delete {them} by hand, or choose another "
+                        f"{name}: nothing of yours is ever replaced.")
     if not force:
-        raise UserError(f"{name} {out} holds an earlier mha2mla output; pass --force to replace it or choose another {name}.")
+        raise UserError(f"{name} {shown} holds an earlier mha2mla output; pass --force to replace it or choose another {name}.")
 
 
 def _normal_permissions(folder: Path) -> None:
@@ -187,25 +194,26 @@ def _carry_over(old: Path, new: Path, name: str) -> list[str]:
     return [entry.name for entry in entries]
 
 
-def _swap(new: Path, out: Path, carry: bool, name: str) -> None:
-    """Put ``new`` in place of ``out``: old moved aside, new renamed, old deleted; undone if a rename fails."""
+def _swap(new: Path, out: Path, carry: dict[str, str | None] | None, name: str) -> None:
+    """Put ``new`` in place of ``out``: old moved aside, new renamed, old deleted; undone if a rename fails.
+    ``carry``: the entries of ``out`` move into ``new`` first, those named (mha2mla's: name -> hash) listed there."""
     if not os.path.lexists(out):
         os.rename(new, out)
         return
-    moved = _carry_over(out, new, name) if carry else []
-    aside = staging_path(out, "old")
+    moved = _carry_over(out, new, name) if carry is not None else []
     try:
-        os.rename(out, aside)
+        record_written(new, {entry: carry[entry] for entry in moved if entry in carry})
+        aside = move_aside(out)
         try:
             os.rename(new, out)
         except BaseException:
-            os.rename(aside, out)
+            put_back(aside, out)
             raise
     except BaseException:
         for entry in moved:
             os.replace(new / entry, out / entry)
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    discard_aside(aside, out)
 
 
 def remove_made(made: list[Path]) -> None:
@@ -265,11 +273,13 @@ def staging_for(out: Path) -> tuple[list[Path], Path]:
 
 
 @contextmanager
-def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, name: str = "OUT") -> Iterator[Path]:
+def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, name: str = "OUT",
+                  own: Iterable[str] = ()) -> Iterator[Path]:
     """An empty folder next to ``out`` to write the new output into; on a clean exit it replaces ``out`` (see the
     module docstring), on an error it is removed with any parent folders made for it. ``carry``: the entries of an
-    existing ``out`` (a recover run folder) move into the new folder. Call :func:`check_destination` first."""
-    out = Path(out)
+    existing ``out`` (a recover run folder) move into the new folder; those its list names, and ``own`` (what the
+    caller wrote there itself), stay on the list. Call :func:`check_destination` first."""
+    shown, out = out, user_path(out)
     made, staging = staging_for(out)
     try:
         with write_errors(out):
@@ -277,11 +287,12 @@ def staged_output(out: str | Path, *, force: bool = False, carry: bool = False, 
             staging.mkdir()
             yield staging
             if out.is_symlink():
-                raise UserError(f"{name} {out} became a symbolic link while mha2mla wrote; nothing was replaced.")
+                raise UserError(f"{name} {shown} became a symbolic link while mha2mla wrote; nothing was replaced.")
             check_replaceable(out, force or carry, name=name, carry=carry)  # again: OUT may have changed meanwhile
+            kept = {**dict.fromkeys(own), **(written_names(out) or {})} if carry else None
             write_manifest(staging)
             _normal_permissions(staging)
-            _swap(staging, out, carry, name)
+            _swap(staging, out, kept, name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_made(made)

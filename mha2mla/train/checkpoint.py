@@ -3,7 +3,8 @@ optimizer, scheduler, every process's RNG state (distributed.py gathers them) an
 position. They are the run's, not the model's: once the model is written they are removed
 (:func:`remove_checkpoints`) unless asked to stay, and an interrupted run says which it keeps
 (:func:`interrupted_sentence`). A run folder of the earlier layout (``OUT/step-NNNNNN/``) still resumes: both places
-are listed.
+are listed. ``checkpoints`` goes on OUT's list of what mha2mla wrote (mha2mla/io/written.py) with the first
+checkpoint and off it when they are removed; only the step folders are ever removed, never other files in it.
 
 A checkpoint is written into a hidden staging folder next to it (mha2mla/io/output.py's names, so the next run
 removes one a killed writer left), every file fsynced, then renamed to ``step-NNNNNN``: a run killed while saving
@@ -28,7 +29,9 @@ from safetensors.torch import load as load_safetensors
 from mha2mla import UserError
 from mha2mla.io.model_folder import RECOVER_CONFIG
 from mha2mla.io.output import remove_stale, staging_path, write_errors
+from mha2mla.io.staging import discard_aside, move_aside
 from mha2mla.io.writer import write_safetensors
+from mha2mla.io.written import forget_written, record_written
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +69,15 @@ def list_checkpoints(out: Path) -> list[Path]:
 
 
 def remove_checkpoints(out: Path) -> None:
-    """Remove the run's checkpoints from ``out`` (both layouts), once the model they trained is written there."""
+    """Remove the run's checkpoints from ``out`` (both layouts), once the model they trained is written there; the
+    checkpoints folder goes too when nothing else is in it (a file put there by hand stays, off mha2mla's list)."""
     for folder in list_checkpoints(out):
         shutil.rmtree(folder)
-    if (out / CHECKPOINTS).is_dir():
-        shutil.rmtree(out / CHECKPOINTS)
+    if (out / CHECKPOINTS).is_dir() and not (out / CHECKPOINTS).is_symlink():
+        remove_stale(out / CHECKPOINTS)  # a save a killed run left half-written
+        if not any((out / CHECKPOINTS).iterdir()):
+            (out / CHECKPOINTS).rmdir()
+    forget_written(out, [CHECKPOINTS])
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -90,7 +97,7 @@ def newest_complete(out: Path, rank: int = 0, last_step: int | None = None) -> t
             damaged.append(str(error))
             continue
         for sentence in damaged:
-            log.warning("%s resuming from %s instead.", sentence.removesuffix("."), folder.name)
+            log.warning("%s; resuming from %s instead.", sentence.removesuffix("."), folder.name)
         return folder, saved
     if damaged:
         raise UserError(f"every checkpoint in {out} is damaged ({damaged[0]}); remove them (the step-* folders) to "
@@ -170,14 +177,11 @@ def _write_files(staging: Path, step: int, trainable, optimizer_state, scheduler
 
 def _put_in_place(staging: Path, final: Path) -> None:
     """Rename ``staging`` to ``final``; an earlier folder of that name (a damaged checkpoint) is moved aside first."""
-    aside = None
-    if os.path.lexists(final):
-        aside = staging_path(final, "old")
-        os.rename(final, aside)
+    aside = move_aside(final) if os.path.lexists(final) else None
     os.rename(staging, final)
     _sync_folder(final.parent)
     if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+        discard_aside(aside, final)
 
 
 def save_checkpoint(
@@ -208,6 +212,7 @@ def save_checkpoint(
             if not any(final.parent.iterdir()):  # the first save failed: no empty checkpoints folder left behind
                 final.parent.rmdir()
             raise
+        record_written(out, {CHECKPOINTS: None})  # on OUT's list of what mha2mla wrote (mha2mla/io/written.py)
     for old in list_checkpoints(out)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -2,7 +2,8 @@
 
 OUT is written as every mha2mla output folder is (mha2mla/io/output.py): into a hidden sibling named with the PID,
 the run folder's checkpoints and logs moved into it, then swapped in for OUT, so an error never leaves a half-written
-model in OUT and never loses the run's checkpoints. ``recovery_report.json`` marks the result as mha2mla's; the model
+model in OUT and never loses the run's checkpoints. The run's settings and log, which this run wrote, stay on OUT's
+list of what mha2mla wrote, with whatever the run folder's own list named; anything else carried over is the user's. ``recovery_report.json`` marks the result as mha2mla's; the model
 card is written by mha2mla/io/card.py, the one card writer. After FSDP the model is loaded again in one piece with
 the gathered trainable values (:func:`reloaded_model`)."""
 
@@ -16,9 +17,10 @@ import torch
 from peft import PeftModel
 
 from mha2mla.io.card import write_recovery_card
-from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVERY_REPORT
+from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVER_CONFIG, RECOVERY_REPORT
 from mha2mla.io.output import staged_output
 from mha2mla.modeling.absorbed import write_absorbed
+from mha2mla.train.log import TRAIN_LOG
 from mha2mla.train.model import load_student
 from mha2mla.train.trainable import load_trainable_state, make_trainable
 
@@ -63,7 +65,7 @@ def write_recovered(
     ``out``, keeping whatever the run already put there (checkpoints, logs)."""
     source_folder, out = Path(source_folder), Path(out)
     # OUT was checked before training (check_out_folder); the swap checks again what can change meanwhile
-    with staged_output(out, carry=True, name="--out") as staging:
+    with staged_output(out, carry=True, name="--out", own=(RECOVER_CONFIG, TRAIN_LOG)) as staging:
         plain = merged_model(model)
         plain = plain.to(stored_dtype(source_folder))
         plain.config.use_cache = True  # inference default in the written config

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from common import SAMPLE_TEXT, build_source, run_cli, snapshot, tiny_tokenizer
 
-from mha2mla.io.written import MANIFEST
+from mha2mla.io.written import MANIFEST, written_names
 
 
 def _last_line(err: str, needle: str) -> None:
@@ -67,9 +67,10 @@ def text(tmp_path) -> Path:
 # ---- --force replaces only what mha2mla wrote -----------------------------------------------------------------------
 
 def test_every_output_lists_what_mha2mla_wrote(converted):
-    listed = (converted / MANIFEST).read_text().split()
+    listed = written_names(converted)
     assert sorted(listed) == sorted(p.name for p in converted.iterdir() if p.name != MANIFEST)
     assert {"config.json", "conversion_report.json", "model.safetensors"} <= set(listed)
+    assert listed["README.md"] and listed["config.json"]  # small files with the hash they were written with
 
 
 def test_force_refuses_an_output_holding_the_users_files(llama_source, converted, tmp_path, capsys, stderr_logging):
@@ -81,18 +82,16 @@ def test_force_refuses_an_output_holding_the_users_files(llama_source, converted
     assert "my_notes.txt" in line and "results/" in line
 
 
-def test_force_refuses_a_user_file_in_an_output_written_before_manifests(llama_source, converted, tmp_path, capsys,
-                                                                          stderr_logging):
+def test_force_refuses_an_output_written_before_manifests(llama_source, converted, tmp_path, capsys, stderr_logging):
     out = shutil.copytree(converted, tmp_path / "out")
-    (out / MANIFEST).unlink()  # an output of an mha2mla without the list: the names a conversion writes are known
+    (out / MANIFEST).unlink()  # an output of an mha2mla without the list: no name is taken as its own by its shape
     (out / "my_notes.txt").write_text("what I found\n")
-    line = _refused(["convert", llama_source, out, "--calib", "none", "--force"], "did not write", tmp_path, capsys)
-    assert "my_notes.txt" in line and "config.json" not in line
+    line = _refused(["convert", llama_source, out, "--calib", "none", "--force"], "delete it by hand", tmp_path, capsys)
+    assert MANIFEST in line
 
 
 def test_force_still_replaces_an_output_of_only_its_own_files(llama_source, converted, tmp_path, capsys):
     out = shutil.copytree(converted, tmp_path / "out")
-    (out / MANIFEST).unlink()
     code, _, err = run_cli(["convert", llama_source, out, "--calib", "none", "--force", "--no-progress"], capsys)
     assert code == 0, err
     assert (out / MANIFEST).is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
