@@ -21,7 +21,8 @@ none is an error. Files must be UTF-8 (a leading byte-order mark is dropped).
 small JSON-able position a later call resumes at without reading what comes before, where the format allows: a
 JSON-lines file's byte offset (and line number), a parquet file's row group and row, a JSON file's item index
 (the file is parsed again), a dataset's record index and streaming state (``datasets``' own: shards before it are
-skipped). A text file is one document (locator 0).
+skipped). A text file is one document (locator 0); mha2mla.io.pieces reads it in pieces of bounded size, for
+streaming.
 
 Every problem with the input is a :class:`mha2mla.UserError` of one sentence that names the file (and the line or
 record). A missing path or a folder without readable files is reported when ``iter_documents`` is called; the rest
@@ -114,7 +115,7 @@ def _located_in_file(path: Path, text_field: str | None, start: object) -> Itera
 # ------------------------------------------------------------------------------------------------ text and JSON
 
 
-def _decoded(path: Path, data: bytes, offset: int) -> str:
+def decoded(path: Path, data: bytes, offset: int) -> str:
     """``data`` (read at byte ``offset`` of ``path``) as UTF-8; NUL bytes (binary data, UTF-16) or bytes that are not
     UTF-8 are a UserError naming the file offset."""
     nul = data.find(b"\x00")
@@ -132,7 +133,7 @@ def read_text(path: Path) -> str:
     UserError."""
     data = path.read_bytes()
     bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-    return _decoded(path, data[bom:], bom)
+    return decoded(path, data[bom:], bom)
 
 
 def _located_in_json_lines(path: Path, text_field: str | None, start: list | None) -> Iterator[tuple[list, str]]:
@@ -145,7 +146,7 @@ def _located_in_json_lines(path: Path, text_field: str | None, start: list | Non
         offset = handle.tell()
         # lines end at b"\n" only: U+2028 and friends, which JSON strings may hold, are no line ends
         for raw in handle:
-            line = _decoded(path, raw, offset)
+            line = decoded(path, raw, offset)
             if line.strip():
                 try:
                     record = json.loads(line)
@@ -279,5 +280,5 @@ def _first_line(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-__all__ = ["TEXT_FIELDS", "TEXT_SUFFIXES", "is_local", "iter_documents", "iter_located", "parse_dataset_id",
-           "read_text", "record_text", "resolve_files", "units"]
+__all__ = ["PLAIN_SUFFIXES", "TEXT_FIELDS", "TEXT_SUFFIXES", "decoded", "is_local", "iter_documents", "iter_located",
+           "parse_dataset_id", "read_text", "record_text", "resolve_files", "units"]

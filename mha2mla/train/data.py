@@ -11,9 +11,13 @@ document start (and at the start of every row, where a long document continues),
 
 The first token of every segment is never a prediction target (it would be predicted from another document).
 
+A long document may come in pieces (mha2mla.io.pieces: a text file, cut every so many bytes): a piece that continues
+its document is tokenized alone and packed as the document's continuation (``Continued``: no EOS before it, no
+position restart), so the pieces pack as the whole document would, up to the tokens at the cuts.
+
 ``--data`` is streamed with these rules (stream.py); here are the tokenizing and packing themselves (of documents
-read by mha2mla.io.documents, which the callers open: nothing here reads a file), the held-out rows, and the
-training rows kept in memory (``MemoryRows``: teacher-generated text).
+read by mha2mla.io, which the callers open: nothing here reads a file), the held-out rows, and the training rows
+kept in memory (``MemoryRows``: teacher-generated text).
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ class PackedSequences:
         return head, tail
 
 
+class Continued(list):
+    """Token ids that continue the document packed before them (a later piece of a long document): ``pack_token_lists``
+    packs them as part of it; first in a pack, they start a document."""
+
+
 # ---------------------------------------------------------------------------------------------- packing
 
 
@@ -66,16 +75,18 @@ def pack_token_lists(documents: Iterable[list[int]], seq_len: int, max_rows: int
     doc_index: list[torch.Tensor] = []
     total = 0
     num_documents = 0
+    length = 0  # tokens of the document packed last, so far
     unread = False
     documents = iter(documents)
     for tokens in documents:
         if not tokens:
             continue
-        tokens_tensor = torch.tensor(tokens, dtype=torch.int64)
-        ids.append(tokens_tensor)
-        positions.append(torch.arange(len(tokens), dtype=torch.int64))
-        doc_index.append(torch.full((len(tokens),), num_documents, dtype=torch.int64))
-        num_documents += 1
+        first = 0 if not isinstance(tokens, Continued) or num_documents == 0 else length
+        num_documents += first == 0
+        ids.append(torch.tensor(tokens, dtype=torch.int64))
+        positions.append(torch.arange(first, first + len(tokens), dtype=torch.int64))
+        doc_index.append(torch.full((len(tokens),), num_documents - 1, dtype=torch.int64))
+        length = first + len(tokens)
         total += len(tokens)
         if max_rows is not None and total >= max_rows * seq_len:
             unread = next(documents, None) is not None
@@ -103,14 +114,15 @@ def tokenize_documents(tokenizer, documents: Iterable[str]) -> Iterator[list[int
         yield ids
 
 
-def tokenized(tokenizer, batch: list[tuple[object, str]]) -> list[tuple[object, list[int]]]:
-    """(locator, token ids followed by EOS) of each (locator, document), the documents encoded in one call: as
-    ``tokenize_documents``, no BOS or other special tokens."""
-    if not batch:
+def piece_ids(tokenizer, pieces: list) -> list[list[int]]:
+    """Token ids of each piece (mha2mla.io.pieces.Piece: ``text``, ``first``, ``last``), the pieces encoded in one
+    call, as ``tokenize_documents`` encodes a document: EOS after a document's last piece only; a piece that continues
+    its document is ``Continued``."""
+    if not pieces:
         return []
-    encoded = tokenizer([text for _, text in batch], add_special_tokens=False, verbose=False)["input_ids"]
+    encoded = tokenizer([piece.text for piece in pieces], add_special_tokens=False, verbose=False)["input_ids"]
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    return [(where, ids + eos) for (where, _), ids in zip(batch, encoded)]
+    return [(list if piece.first else Continued)(ids + eos if piece.last else ids) for piece, ids in zip(pieces, encoded)]
 
 
 def _check_one_row(packed: PackedSequences, what: str, sources: list[str], seq_len: int) -> None:
@@ -130,25 +142,57 @@ def pack_documents(tokenizer, documents: Iterable[str], seq_len: int, max_rows: 
     return packed
 
 
-def pack_held_out(located: Iterable[tuple[int, object, str]], tokenizer, seq_len: int, count: int,
-                  sources: list[str]) -> tuple[PackedSequences, tuple[int, object]]:
-    """The first ``count`` rows packed from ``located`` documents (unit index, locator, text), and (unit index,
-    locator) of the first document that gave them no token: where training starts."""
-    last: list[tuple[int, object]] = []
+def pack_pieces(tokenizer, pieces: Iterable, seq_len: int, max_rows: int | None, what: str,
+                sources: list[str]) -> PackedSequences:
+    """``pack_documents`` of pieces (mha2mla.io.pieces), tokenized one at a time: memory holds one piece and the rows."""
+    packed = pack_token_lists((piece_ids(tokenizer, [piece])[0] for piece in pieces), seq_len, max_rows)
+    _check_one_row(packed, what, sources, seq_len)
+    log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)
+    return packed
 
-    def documents():
-        for index, where, text in located:
-            last[:] = [(index, where)]
-            yield tokenized(tokenizer, [(where, text)])[0][1]
 
-    packed = pack_token_lists(documents(), seq_len, count)
-    _check_one_row(packed, "training data", sources, seq_len)
-    if len(packed) < count or not packed.unread:  # pack_token_lists looked at one document past the rows
-        raise UserError(
-            f"the training data fills only {len(packed)} sequences of {seq_len} tokens, not enough to hold out "
-            f"{count} for evaluation and train on the rest; give more text, --eval-data, or a smaller --eval-sequences."
-        )
-    return packed, last[0]
+def pack_held_out(pieces: Iterable[tuple[int, object]], tokenizer, seq_len: int, count: int, sources: list[str],
+                  units: int) -> tuple[PackedSequences, tuple[int, object, int]]:
+    """The first ``count`` rows packed from ``pieces`` ((unit index, piece) of ``units`` units, in their given order),
+    and (unit index, locator, tokens of that piece to skip) where training starts: at the first document that gave
+    the rows no token, or, where the rows end inside the text's last document (a single text file, say), at the
+    token after them. Text that does not fill one row more than ``count`` is refused, naming the rows it fills."""
+    need = count * seq_len
+    read: list[tuple[int, object, list[int]]] = []
+    total, boundary, used = 0, None, 0
+    for index, piece in pieces:
+        read.append((index, piece, piece_ids(tokenizer, [piece])[0]))
+        total += len(read[-1][2])
+        if boundary is None and total >= need:  # the piece the held-out rows end in, and its tokens they take
+            boundary, used = len(read) - 1, len(read[-1][2]) - (total - need)
+        if boundary is not None and total >= need + seq_len and len(read) > boundary + 1:
+            break
+    if total < need + seq_len:
+        raise _too_short(total, seq_len, count, sources)
+    packed = pack_token_lists([ids for _, _, ids in read[:boundary + 1]], seq_len, count)
+    index, piece, _ = read[boundary]
+    after = read[boundary + 1] if boundary + 1 < len(read) else None
+    if after is not None and after[1].first:
+        return packed, (after[0], after[1].locator, 0)
+    if after is not None and index + 1 < units:  # the rows end inside a text file: training starts at the next
+        return packed, (index + 1, None, 0)
+    return packed, (index, piece.locator, used)
+
+
+def _too_short(total: int, seq_len: int, count: int, sources: list[str]) -> UserError:
+    """The refusal of training text of ``total`` tokens that cannot hold out ``count`` rows and train on one more,
+    with the fixes that would make it fit."""
+    rows = total // seq_len
+    if rows == 0:
+        return UserError(f"the training data ({', '.join(sources)}) has {total} tokens, fewer than one packed sequence "
+                         f"of {seq_len}; give more text or a smaller --seq-len.")
+    fixes = ["more text"]
+    if total // (count + 1) >= 8:
+        fixes.append(f"--seq-len {total // (count + 1)} or less")
+    fixes.append(f"--eval-sequences {rows - 1} or less" if rows > 1 else "--eval-sequences 0 (no held-out perplexity)")
+    return UserError(f"the training data ({', '.join(sources)}) fills only {rows} sequence{'s' * (rows != 1)} of "
+                     f"{seq_len} tokens, not enough to hold out {count} for evaluation (--eval-sequences) and train on "
+                     f"the rest; give {', '.join(fixes)}, or separate evaluation text with --eval-data.")
 
 
 def target_mask(position_ids: torch.Tensor) -> torch.Tensor:

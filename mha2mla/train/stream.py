@@ -1,6 +1,6 @@
-"""Training rows streamed from ``--data`` (docs/recover.md, "Data"): read (mha2mla.io.documents), tokenized and packed
-as the run consumes them, so memory does not grow with the corpus and a resumed run starts at its next row without
-reading the corpus again.
+"""Training rows streamed from ``--data`` (docs/recover.md, "Data"): read (mha2mla.io.pieces: records, and text files
+in pieces of bounded size), tokenized and packed as the run consumes them, so memory does not grow with the corpus
+and a resumed run starts at its next row without reading the corpus again.
 
 The run's order of rows, fixed by the seed:
 
@@ -11,12 +11,14 @@ The run's order of rows, fixed by the seed:
   permutation of its own (epoch, block); rows are numbered on across epochs.
 
 A block is rebuilt from a cursor: the epoch, the block, its first row, the unit (its place in the epoch's order),
-the locator of the document the block starts in and how many of that document's tokens earlier blocks took. The
+the locator of the piece the block starts in and how many of that piece's tokens earlier blocks took. The
 cursor of the block being read is the state a checkpoint keeps; resuming opens the unit at that locator (a byte
 offset, a parquet row group, ...), so it reads one block, not the corpus.
 
 Held-out rows, when they come from the training text, are the first ``eval_sequences`` rows packed in the units'
-given order; every document that gave them a token lies before the training start and is never trained on."""
+given order (data.pack_held_out); training starts at the first document that gave them no token, so a document they
+come from is never trained on, except where they end inside the text's last document (one text file, say): that
+one is split, and training starts at the token after them."""
 
 from __future__ import annotations
 
@@ -30,15 +32,22 @@ from itertools import chain
 import torch
 
 from mha2mla import UserError
-from mha2mla.io.documents import is_local, iter_documents, iter_located, units
-from mha2mla.train.data import PackedSequences, pack_documents, pack_held_out, pack_token_lists, tokenized
+from mha2mla.io import pieces
+from mha2mla.io.documents import PLAIN_SUFFIXES, is_local, resolve_files, units
+from mha2mla.io.pieces import iter_pieces
+from mha2mla.train.data import PackedSequences, pack_held_out, pack_pieces, pack_token_lists, piece_ids
 
 log = logging.getLogger(__name__)
 
-SHUFFLE_BLOCK_TOKENS = 1 << 20  # tokens per shuffled block: the rows kept in memory (two int64 copies, ~16 MiB)
-TOKENIZE_DOCUMENTS = 256  # documents per tokenizer call (a fast tokenizer encodes a batch on all cores) ...
-TOKENIZE_CHARACTERS = 1 << 22  # ... or fewer, once they hold this many characters (large text files)
+SHUFFLE_BLOCK_TOKENS = 1 << 20  # tokens per shuffled block: the rows kept in memory
+TOKENIZE_DOCUMENTS = 256  # pieces per tokenizer call (a fast tokenizer encodes a batch on all cores) ...
+TOKENIZE_CHARACTERS = 1 << 18  # ... or fewer, once they hold this many characters: the encodings' memory
 STATE_VERSION = 1
+# bytes per token of a block being built: its token lists (a Python int each), the packing's tensors (ids, positions,
+# documents, their concatenations), the packed rows and their shuffled copy
+BLOCK_BYTES_PER_TOKEN = 110
+# bytes per character of one tokenizer call's encodings (ids, offsets, masks, the Python lists), at most a token each
+ENCODING_BYTES_PER_CHARACTER = 120
 
 
 @dataclass(frozen=True)
@@ -59,20 +68,41 @@ def _seeded(*parts) -> torch.Generator:
 
 
 def fingerprint(unit_names: list[str]) -> str:
-    """A short hash of the units' names and (local files) sizes: a checkpoint's position is refused on other text."""
-    described = [f"{name}:{os.path.getsize(name) if is_local(name) else ''}" for name in unit_names]
+    """A short hash of the units' names and (local files) sizes, and the piece size of text files (their locators are
+    piece starts): a checkpoint's position is refused on other text."""
+    described = [f"{name}:{os.path.getsize(name) if is_local(name) else ''}{_piece_size(name)}" for name in unit_names]
     return hashlib.sha256("\n".join(described).encode()).hexdigest()[:16]
+
+
+def _piece_size(name: str) -> str:
+    return f":{pieces.PIECE_BYTES}" if is_local(name) and os.path.splitext(name)[1].lower() in PLAIN_SUFFIXES else ""
+
+
+def peak_bytes(sources: list[str] | None, seq_len: int) -> int:
+    """What streaming ``sources`` (None: the default healing text) holds at its peak (``--dry-run``'s data line): a
+    block being built and one tokenizer call's encodings, each no larger than the local files allow (a token takes
+    a byte at least, EOS aside); a path that cannot be read counts as large."""
+    block = max(1, SHUFFLE_BLOCK_TOKENS // seq_len) * seq_len
+    call = TOKENIZE_CHARACTERS + pieces.PIECE_BYTES  # a call takes pieces until it holds this many characters
+    try:
+        sizes = [os.path.getsize(path) for source in sources or [] for path in resolve_files(source)]
+    except (UserError, OSError):
+        sizes = []
+    if sizes:
+        block, call = min(block, sum(sizes) + len(sizes)), min(call, max(sizes))
+    return block * BLOCK_BYTES_PER_TOKEN + call * ENCODING_BYTES_PER_CHARACTER
 
 
 class StreamRows:
     """The training rows of ``--data``: ``rows_at(starts, size)``, ``state_dict()``, ``load_state_dict(state)`` (the
-    interface of data.MemoryRows). ``start`` is (unit index, locator) of the first training document in the units'
-    given order: the units before it and the documents before the locator are held out."""
+    interface of data.MemoryRows). ``start`` is (unit index, locator, tokens to skip) of the first training piece in
+    the units' given order (data.pack_held_out): the units before it, the pieces before the locator and that piece's
+    first tokens are held out."""
 
     def __init__(self, unit_names: list[str], tokenizer, seq_len: int, seed: int, text_field: str | None = None,
-                 start: tuple[int, object] = (0, None)):
+                 start: tuple = (0, None, 0)):
         self.unit_names, self.tokenizer, self.seq_len, self.seed = unit_names, tokenizer, seq_len, seed
-        self.text_field, self.start = text_field, start
+        self.text_field, self.start = text_field, (*start, 0)[:3]
         self.block_rows = max(1, SHUFFLE_BLOCK_TOKENS // seq_len)
         self.fingerprint = fingerprint(unit_names)
         self._orders: dict[int, list[int]] = {}
@@ -119,7 +149,7 @@ class StreamRows:
         if self._block is None:
             self._block = self._build(self._cursor)
         while row >= self._cursor.first_row + len(self._block["input_ids"]):
-            self._cursor = self._live[0]
+            self._cursor, self._block = self._live[0], None  # the block read is freed before the next is built
             self._block = self._build(self._cursor)
         return self._block
 
@@ -145,9 +175,10 @@ class StreamRows:
             self._live = (Cursor(cursor.epoch + 1, 0, cursor.first_row + len(packed)), None, None)
             if len(packed) == 0:
                 if cursor.block == 0:
+                    held = " after the rows held out for evaluation" if self.start != (0, None, 0) else ""
                     raise UserError(f"the training data ({', '.join(self.unit_names)}) has {total} tokens to train "
-                                    f"on, fewer than one packed sequence of {self.seq_len}; give more text "
-                                    "or a smaller --seq-len.")
+                                    f"on{held}, fewer than one packed sequence of {self.seq_len}; give more text or a "
+                                    f"smaller --seq-len{', or fewer --eval-sequences or --eval-data' if held else ''}.")
                 return self._build(self._live[0])
         else:
             unit, locator, ids, skip = last
@@ -177,27 +208,34 @@ class StreamRows:
         return self._documents(cursor), None
 
     def _documents(self, cursor: Cursor) -> Iterator[tuple[int, object, list[int], int]]:
-        """(unit position, locator, token ids not yet taken, tokens already taken) of every document from the
-        cursor to the epoch's end, tokenized a batch at a time."""
+        """(unit position, locator, token ids not yet taken, tokens already taken) of every piece from the cursor to
+        the epoch's end."""
         order = self._order(cursor.epoch)
-        skip = cursor.skip
         for position in range(cursor.unit, len(order)):
             unit = order[position]
-            locator = cursor.locator if position == cursor.unit and cursor.locator is not None else (
-                self.start[1] if unit == self.start[0] else None)
-            batch: list[tuple[object, str]] = []
-            characters = 0
-            for located in iter_located(self.unit_names[unit], self.text_field, locator):
-                batch.append(located)
-                characters += len(located[1])
-                if len(batch) == TOKENIZE_DOCUMENTS or characters >= TOKENIZE_CHARACTERS:
-                    for where, ids in tokenized(self.tokenizer, batch):
-                        yield position, where, ids[skip:] if skip else ids, skip
-                        skip = 0
-                    batch, characters = [], 0
-            for where, ids in tokenized(self.tokenizer, batch):
-                yield position, where, ids[skip:] if skip else ids, skip
-                skip = 0
+            if position == cursor.unit and cursor.locator is not None:
+                yield from self._unit_documents(position, unit, cursor.locator, cursor.skip)
+            elif unit == self.start[0]:
+                yield from self._unit_documents(position, unit, self.start[1], self.start[2])
+            else:
+                yield from self._unit_documents(position, unit, None, 0)
+
+    def _unit_documents(self, position: int, unit: int, locator: object, skip: int):
+        """``_documents`` of one unit opened at ``locator``, its first ``skip`` tokens left out, tokenized a batch of
+        pieces at a time; the first tokens read start a document (what came before them is not in this block)."""
+        batch: list = []
+        characters, opened = 0, True
+        for piece in chain(iter_pieces(self.unit_names[unit], self.text_field, locator), [None]):
+            if piece is not None:
+                batch.append(piece)
+                characters += len(piece.text)
+            if batch and (piece is None or len(batch) == TOKENIZE_DOCUMENTS or characters >= TOKENIZE_CHARACTERS):
+                for each, ids in zip(batch, piece_ids(self.tokenizer, batch)):
+                    ids = ids[skip:] if skip or (opened and ids) else ids  # a slice is a list: no continuation
+                    opened = opened and not ids
+                    yield position, each.locator, ids, skip
+                    skip = 0
+                batch, characters = [], 0
 
 
 # ---------------------------------------------------------------------------------------------- a run's rows
@@ -205,19 +243,19 @@ class StreamRows:
 
 def prepare_stream(config, tokenizer, rows_needed: int) -> tuple[StreamRows, PackedSequences | None]:
     """A run's streamed training rows of ``data`` and its held-out rows: ``eval_data``'s first ``eval_sequences``
-    rows (all of them for 0), or the training text's first ``eval_sequences`` rows, or None. Everything is read
-    first (mha2mla.io.documents), then packed (data.py); the first block is read now, so a corpus too short for one
+    rows (all of them for 0), or the training text's first ``eval_sequences`` rows (data.pack_held_out), or None.
+    Both are read a piece at a time (mha2mla.io.pieces); the first block is read now, so a corpus too short for one
     row, or a first file that cannot be read, is refused before the run starts."""
     names = [name for source in config.data for name in units(source)]
-    evaluation = chain.from_iterable(iter_documents(source, config.text_field) for source in config.eval_data or [])
-    located = ((index, where, text) for index, name in enumerate(names)
-               for where, text in iter_located(name, config.text_field))
-    held_out, start = None, (0, None)
+    evaluation = (piece for source in config.eval_data or [] for name in units(source)
+                  for piece in iter_pieces(name, config.text_field))
+    located = ((index, piece) for index, name in enumerate(names) for piece in iter_pieces(name, config.text_field))
+    held_out, start = None, (0, None, 0)
     if config.eval_data:
-        held_out = pack_documents(tokenizer, evaluation, config.seq_len, config.eval_sequences or None,
-                                  "evaluation data", config.eval_data)
+        held_out = pack_pieces(tokenizer, evaluation, config.seq_len, config.eval_sequences or None,
+                               "evaluation data", config.eval_data)
     elif config.eval_sequences:
-        held_out, start = pack_held_out(located, tokenizer, config.seq_len, config.eval_sequences, names)
+        held_out, start = pack_held_out(located, tokenizer, config.seq_len, config.eval_sequences, names, len(names))
     rows = StreamRows(names, tokenizer, config.seq_len, config.seed, config.text_field, start)
     rows.rows_at([0], 1)
     log.info("training data: %d files or datasets streamed in a seeded order per epoch, rows shuffled in blocks of %d; "

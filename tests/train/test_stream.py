@@ -118,17 +118,17 @@ def test_a_resumed_stream_reads_the_exact_next_row(tmp_path, kind, monkeypatch):
             before.rows_at([start], min(2, cut - start))
         state = json.loads(json.dumps(before.state_dict()))  # as the checkpoint keeps it
         opened = []
-        real = stream_module.iter_located
+        real = stream_module.iter_pieces
 
         def recording(unit, text_field=None, start=None, real=real, opened=opened):
             opened.append(start)
             return real(unit, text_field, start)
 
-        monkeypatch.setattr(stream_module, "iter_located", recording)
+        monkeypatch.setattr(stream_module, "iter_pieces", recording)
         resumed = _stream(names, seed=1)
         resumed.load_state_dict(state)
         rest = resumed.rows_at([cut, cut + 3], 3)
-        monkeypatch.setattr(stream_module, "iter_located", real)
+        monkeypatch.setattr(stream_module, "iter_pieces", real)
         expected = torch.cat([whole["input_ids"][cut:cut + 3], whole["input_ids"][cut + 3:cut + 6]])
         assert torch.equal(rest["input_ids"], expected)
         assert torch.equal(rest["position_ids"], torch.cat([whole["position_ids"][cut:cut + 6]]))
@@ -171,13 +171,14 @@ def test_eval_data_holds_out_another_text_and_training_starts_at_the_first_row(t
     (tmp_path / "eval.txt").write_text("e" * 100)
     train, held_out = prepare_stream(_config(names, eval_data=[str(tmp_path / "eval.txt")]), CharTokenizer(), 10)
     assert held_out.input_ids.unique().tolist() == [0, ord("e")] or held_out.input_ids.unique().tolist() == [ord("e")]
-    assert train.state_dict()["cursor"]["first_row"] == 0 and train.start == (0, None)
+    assert train.state_dict()["cursor"]["first_row"] == 0 and train.start == (0, None, 0)
 
 
 def test_bad_input_is_one_sentence(tmp_path):
     short = tmp_path / "short.jsonl"
     _jsonl(short, 0, 2)  # 3 + 10 characters: one row, none past three held-out rows
-    with pytest.raises(UserError, match="fills only 1 sequences of 8 tokens, not enough to hold out 3"):
+    with pytest.raises(UserError, match=r"fills only 1 sequence of 8 tokens, not enough to hold out 3 .*give more "
+                       r"text, --eval-sequences 0 \(no held-out perplexity\), or separate evaluation text"):
         prepare_stream(_config([str(short)]), CharTokenizer(), 10)
     with pytest.raises(UserError, match=r"has 15 tokens to train on, fewer than one packed sequence of 64"):
         prepare_stream(_config([str(short)], eval_sequences=0, seq_len=64), CharTokenizer(), 10)
