@@ -20,8 +20,9 @@ or its backward pass:
   pass, so they never coexist with the backward pass's: the larger of the two counts;
 - logits: under FSDP, whole logits (student, teacher, gradient) as ``logit_losses`` needs them, held through the
   backward pass;
-- data: the packed token rows (input ids and positions, int64): one shuffled block of a streamed ``--data``, every
-  row of teacher-generated text; and the held-out rows.
+- data: a streamed ``--data`` (or default healing text) at its peak, a block of rows being built and a tokenizer
+  call (stream.peak_bytes), or every packed row of teacher-generated text (input ids and positions, int64); and the
+  held-out rows.
 
 The estimate is the sum of the parts, the larger of backward and logit chunks only; a run whose estimate exceeds
 the memory the device has free is refused in one sentence. It leaves out what the process holds before the run
@@ -41,7 +42,7 @@ import torch
 from mha2mla import UserError
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.losses import CHUNK_POSITIONS
-from mha2mla.train.stream import SHUFFLE_BLOCK_TOKENS
+from mha2mla.train.stream import peak_bytes
 from mha2mla.train.trainable import ParameterCounts, meta_counts
 
 log = logging.getLogger(__name__)
@@ -137,13 +138,14 @@ def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, c
                                     + 4 * CHUNK_COPIES[config.teacher is not None])
     # whole logits under FSDP: the student's and its gradient, and the teacher's
     logits = tokens * vocab * compute_bytes * (3 if config.teacher is not None else 2) if sharded else 0
-    # --data is streamed (stream.py): one shuffled block of rows at a time; teacher-generated rows are all held
-    held = -(-SHUFFLE_BLOCK_TOKENS // config.seq_len) if config.data else total_steps * config.batch_size * \
-        config.grad_accum * world
-    rows = held + config.eval_sequences
+    # --data and the default healing text are streamed (stream.peak_bytes); teacher-generated rows are all held
+    streamed = bool(config.data) or config.default_data == "general"
+    held = peak_bytes(config.data, config.seq_len) if streamed else total_steps * config.batch_size * \
+        config.grad_accum * world * config.seq_len * 16
+    data = held + config.eval_sequences * config.seq_len * 16
     return MemoryEstimate(weights=total * 4 // split, gradients=trainable * 4 // split, optimizer=trainable * 8 // split,
                           teacher=teacher, activations=activations, backward=backward, logit_chunks=logit_chunks,
-                          logits=logits, data=rows * config.seq_len * 16)
+                          logits=logits, data=data)
 
 
 def free_memory(device: torch.device) -> int | None:
