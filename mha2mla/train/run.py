@@ -64,9 +64,26 @@ class TimeBudget:
             over = accelerator.reduce(over, "max")
         self.stopped = bool(over.item())
         if self.stopped and accelerator.is_main_process:
-            log.info("--max-time: stopping after step %d (%.0f s of %.0f s spent); writing the model",
-                     self.state["step"], self.state["wall_seconds"], self.seconds)
+            log.info("%s", stop_sentence(self.state["step"], self.state["wall_seconds"], self.seconds, step_seconds))
         return self.stopped
+
+
+def stop_sentence(step: int, spent: float, budget: float, step_seconds: float) -> str:
+    """Why the time budget ends the loop, in a sentence that reads right whether the time spent is under the budget
+    (the next step would pass it) or already over it (a budget shorter than the first evaluation or step)."""
+    where = "before the first step" if step == 0 else f"after step {step}"
+    if spent >= budget:
+        why = f"{seconds_text(spent)} spent, past the {seconds_text(budget)} budget"
+    else:
+        why = (f"{seconds_text(spent)} of the {seconds_text(budget)} budget spent, and one more step (about "
+               f"{seconds_text(step_seconds)}) would end past it")
+    return f"--max-time: stopping {where}: {why}; writing the model"
+
+
+def seconds_text(seconds: float) -> str:
+    """A duration for a log line: whole seconds for long ones, three significant digits for short ones, so that a
+    budget under a second does not read as none."""
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.3g} s"
 
 
 def fresh_state() -> dict:
