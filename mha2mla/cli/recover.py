@@ -48,10 +48,11 @@ def recover_command(
     if dry_run:
         from mha2mla.train.memory import check_fits, planned
 
-        memory, device, compute_dtype = planned(settings)
+        sized, device, compute_dtype = planned(settings)
         typer.echo(f"memory per process, estimated ({device}, {compute_dtype}):")
-        typer.echo("\n".join(memory.lines()))
-        check_fits(memory, device)
+        typer.echo("\n".join(sized.memory.lines()))
+        typer.echo(sized.checkpointing_line)
+        check_fits(sized.memory, device)
         typer.echo(f"fits: {device} has enough free memory for this estimate.")
         return
     from mha2mla.train.trainer import recover  # torch, accelerate, peft: only once a run starts

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mha2mla.compute import MAX_SEED
+
 MLA_LORA_TARGETS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 SOURCE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the same budget on an MHA/GQA model
 TRAINABLE_NORMS = ("kv_a_layernorm",)
@@ -74,7 +76,8 @@ class RecoverConfig(BaseModel):
     default_data: Literal["general", "generated"] = Field(
         "general", description="training text when there is no --data: general (real text of several domains, "
         "built by `make assets`) or generated (text the --teacher writes); docs/recover.md, \"No dataset\"")
-    seed: int = Field(0, description="seed of the LoRA initialisation, of the row order and of generated text")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the LoRA initialisation, of the row order and of "
+                      f"generated text (0 to {MAX_SEED})")
     generated_temperature: float = Field(1.0, gt=0, description="sampling temperature of the text the teacher "
                                          "generates when there is no --data")
     generated_top_p: float | None = Field(None, gt=0, le=1, description="top-p (nucleus) sampling of the text the "
@@ -114,10 +117,12 @@ class RecoverConfig(BaseModel):
         "frozen weights, the teacher in bfloat16) or float32 throughout; auto: bfloat16 on a GPU, and on a CPU that "
         "multiplies bf16 natively when the parameters train in full; float32 with LoRA on a CPU, where bf16 made "
         "the model worse (docs/benchmarks.md, \"Compute dtype in recovery\")")
-    activation_checkpointing: Literal["none", "selective", "full"] = Field(
-        "none", description="recompute activations in the backward pass instead of keeping them: selective keeps only "
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = Field(
+        "auto", description="recompute activations in the backward pass instead of keeping them: selective keeps only "
         "the matrix products' and attention's outputs (recomputes norms, casts, rotary, activations), full keeps only "
-        "each decoder layer's input (about one more forward per step); the same gradients (docs/recover.md, \"Memory\")")
+        "each decoder layer's input (about one more forward per step); the same gradients; auto: full when every "
+        "decoder layer trains (full_layers), else none, or the least that makes the memory estimate fit the device "
+        "(docs/recover.md, \"Memory\")")
     eval_every: int = Field(50, ge=0, description="steps between held-out perplexity evaluations (0: start and end only)")
     save_every: int = Field(50, ge=0, description="steps between checkpoints (0: none)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept in OUT/checkpoints while the run trains")

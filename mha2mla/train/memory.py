@@ -111,6 +111,19 @@ def saved_per_token(model_config: dict, config: RecoverConfig) -> int:
     return norms + attention + mlp + lora
 
 
+def kept_and_recomputed(model_config: dict, mode: str, per_layer: int) -> tuple[int, int]:
+    """Elements per token that activation checkpointing ``mode`` keeps over every decoder layer and that the backward
+    pass recomputes of one layer at a time (``per_layer``: what a layer keeps without checkpointing). ``auto`` is
+    decided before anything is estimated (resolve_checkpointing)."""
+    if mode == "auto":
+        raise ValueError("activation_checkpointing auto is decided by resolve_checkpointing before a run is estimated")
+    layers, hidden, selective = model_config["num_hidden_layers"], model_config["hidden_size"], \
+        selective_per_token(model_config)
+    kept = {"none": layers * per_layer, "full": layers * hidden, "selective": layers * selective}[mode]
+    recomputed = {"none": 0, "full": per_layer, "selective": max(0, per_layer - selective)}[mode]
+    return kept, recomputed
+
+
 def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, compute_dtype: str = "float32",
              world: int = 1, sharded: bool = False) -> MemoryEstimate:
     """The run's memory per process (``world`` processes; ``sharded``: FSDP, weights and states split over them),
@@ -120,13 +133,9 @@ def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, c
     split = world if sharded else 1
     compute_bytes = 2 if compute_dtype == "bfloat16" else 4
     tokens = config.batch_size * config.seq_len  # one micro-batch
-    layers = model_config["num_hidden_layers"]
     hidden, vocab = model_config["hidden_size"], model_config["vocab_size"]
     per_layer = saved_per_token(model_config, config)
-    kept = {"none": layers * per_layer, "full": layers * hidden,
-            "selective": layers * selective_per_token(model_config)}[config.activation_checkpointing]
-    recomputed = {"none": 0, "full": per_layer,
-                  "selective": max(0, per_layer - selective_per_token(model_config))}[config.activation_checkpointing]
+    kept, recomputed = kept_and_recomputed(model_config, config.activation_checkpointing, per_layer)
     backward = tokens * (recomputed + 4 * hidden) * compute_bytes
     teacher = 0
     if config.teacher is not None:
@@ -171,9 +180,61 @@ def check_fits(memory: MemoryEstimate, device: torch.device, free: int | None = 
                         "the tokens per step), train LoRA instead of full layers, or use a larger device.")
 
 
-def planned(config: RecoverConfig) -> tuple[MemoryEstimate, torch.device, str]:
+@dataclass(frozen=True)
+class SizedRun:
+    """A run's settings with its activation checkpointing decided (``auto`` resolved), their estimate, and why that
+    checkpointing, in a few words."""
+
+    config: RecoverConfig
+    memory: MemoryEstimate
+    why: str
+
+    @property
+    def checkpointing_line(self) -> str:
+        return f"activation checkpointing: {self.config.activation_checkpointing} ({self.why})"
+
+
+def resolve_checkpointing(config: RecoverConfig, counts: ParameterCounts, total_steps: int,
+                          compute_dtype: str = "float32", world: int = 1, sharded: bool = False,
+                          free: int | None = None) -> SizedRun:
+    """``config``'s activation checkpointing decided once, for the whole run: a mode given stays; ``auto`` is full
+    when every decoder layer trains (full_layers: there it lowers the peak most, for about one more forward per
+    step), else none, or the least of selective and full that brings the estimate under ``free`` bytes (None:
+    unknown, so none). Where nothing fits, full: check_fits then refuses the run."""
+    def sized(mode: str, why: str) -> SizedRun:
+        resolved = config.model_copy(update={"activation_checkpointing": mode})
+        return SizedRun(resolved, estimate(resolved, counts, total_steps, compute_dtype, world, sharded), why)
+
+    if config.activation_checkpointing != "auto":
+        return sized(config.activation_checkpointing, "as set")
+    if config.full_layers:
+        return sized("full", "auto: every decoder layer trains, where keeping only each layer's input saves the most "
+                             "memory for about one more forward per step; --activation-checkpointing none turns it off")
+    plain = sized("none", "auto: only part of the model trains and the estimate fits the free memory without it")
+    if free is None or plain.memory.total <= free:
+        return plain
+    why = (f"auto: without it the estimate, {plain.memory.total / GIB:.1f} GiB, would not fit the {free / GIB:.1f} "
+           "GiB free")
+    selective = sized("selective", why)
+    return selective if selective.memory.total <= free else sized("full", why)
+
+
+def least_free(devices) -> int | None:
+    """The free memory of the most crowded of the run's processes (devices.Devices), so that every process decides
+    its checkpointing and its refusal alike (None: unknown)."""
+    free = free_memory(devices.device)
+    if devices.world == 1:
+        return free
+    unknown = 2**62
+    gathered = devices.accelerator.gather(torch.tensor([unknown if free is None else free], device=devices.device))
+    least = int(gathered.min())
+    return None if least == unknown else least
+
+
+def planned(config: RecoverConfig) -> tuple[SizedRun, torch.device, str]:
     """The estimate of ``config``'s run on the device it would run on, without starting it (``--dry-run``): the
-    estimate, the device and the compute dtype, resolved as the run resolves them (devices.py)."""
+    run sized (its checkpointing decided), the device and the compute dtype, resolved as the run resolves them
+    (devices.py)."""
     from mha2mla.compute import resolve_compute_dtype
     from mha2mla.train.devices import run_device
 
@@ -181,16 +242,24 @@ def planned(config: RecoverConfig) -> tuple[MemoryEstimate, torch.device, str]:
     compute_dtype = resolve_compute_dtype(config.compute_dtype, device.type, cpu_bf16=config.adapter is None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sharded = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
-    memory = estimate(config, meta_counts(config), config.total_steps(world), compute_dtype, world, sharded and world > 1)
-    return memory, device, compute_dtype
+    sized = resolve_checkpointing(config, meta_counts(config), config.total_steps(world), compute_dtype, world,
+                                  sharded and world > 1, free_memory(device))
+    return sized, device, compute_dtype
 
 
-def check_run_memory(config: RecoverConfig, counts: ParameterCounts, total_steps: int, devices) -> MemoryEstimate:
-    """The first lines of every run: its estimate on ``devices`` (devices.Devices), logged by the main process; then
-    refused if it does not fit."""
-    memory = estimate(config, counts, total_steps, devices.compute_dtype, devices.world, devices.sharded)
+def check_run_memory(config: RecoverConfig, counts: ParameterCounts, total_steps: int, devices) -> SizedRun:
+    """The run sized on ``devices`` (devices.Devices): its checkpointing decided and its estimate, refused in one
+    sentence if it does not fit. Nothing is logged here: log_estimate states it once the run's inputs have read."""
+    free = least_free(devices)
+    sized = resolve_checkpointing(config, counts, total_steps, devices.compute_dtype, devices.world, devices.sharded,
+                                  free)
+    check_fits(sized.memory, devices.device, free)
+    return sized
+
+
+def log_estimate(sized: SizedRun, devices) -> None:
+    """The estimate's lines and the checkpointing line, logged by the main process as the run starts training."""
     if devices.is_main:
         log.info("memory per process, estimated (%s, %s; docs/recover.md, \"Memory\"):\n%s", devices.device,
-                 devices.compute_dtype, "\n".join(memory.lines()))
-    check_fits(memory, devices.device)
-    return memory
+                 devices.compute_dtype, "\n".join(sized.memory.lines()))
+        log.info("%s", sized.checkpointing_line)

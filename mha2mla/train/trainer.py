@@ -1,7 +1,8 @@
 """``recover(config)``: the public entry point of recovery fine-tuning, the run read top to bottom: the devices and
-compute dtype (devices.py), the checks (preflight.py), the tokenizer and teacher (teacher.py), the training and
-held-out rows (generated.py), the student and what trains of it (model.py, trainable.py), the ``RecoveryRun``
-that trains it (run.py) in its run folder (log.py), and the merged model written to OUT."""
+compute dtype (devices.py), the checks (preflight.py, which also decides the activation checkpointing), the tokenizer
+and teacher (teacher.py), the training and held-out rows (generated.py), the memory estimate logged, the student and
+what trains of it (model.py, trainable.py), the ``RecoveryRun`` that trains it (run.py) in its run folder (log.py),
+and the merged model written to OUT."""
 
 from __future__ import annotations
 
@@ -18,13 +19,29 @@ from mha2mla.train.config import RecoverConfig
 from mha2mla.train.devices import start_devices
 from mha2mla.train.generated import prepare_rows
 from mha2mla.train.log import open_run_folder
+from mha2mla.train.memory import log_estimate
 from mha2mla.train.model import build_student
-from mha2mla.train.preflight import preflight
+from mha2mla.train.preflight import Plan, preflight
 from mha2mla.train.run import RecoveryRun, fresh_state
 from mha2mla.train.teacher import load_teacher, load_tokenizer
 from mha2mla.train.trainable import check_trainable_shapes, load_trainable_state, make_trainable
 
 log = logging.getLogger(__name__)
+
+
+def _teacher_and_rows(config: RecoverConfig, plan: Plan, devices, tokenizer, show_progress: bool):
+    """The teacher (None without one) and the training and held-out rows. The data is read first, so that a bad
+    --data is refused before a teacher loads, unless the teacher writes it (no data, default_data generated)."""
+    def teacher_model():
+        return load_teacher(config.teacher, config.attn_implementation, devices.dtype, plan.model_config.get("vocab_size"))
+
+    writes_data = not config.data and config.default_data == "generated"
+    teacher = teacher_model() if writes_data and config.teacher is not None else None
+    rows_needed = plan.total_steps * config.batch_size * config.grad_accum * devices.world
+    train_rows, held_out = prepare_rows(config, tokenizer, rows_needed, teacher, devices.accelerator, show_progress)
+    if teacher is None and config.teacher is not None:
+        teacher = teacher_model()
+    return teacher, train_rows, held_out
 
 
 def recover(config: RecoverConfig, resume: str | None = None, show_progress: bool = True) -> dict:
@@ -37,12 +54,10 @@ def recover(config: RecoverConfig, resume: str | None = None, show_progress: boo
     try:
         devices = start_devices(config)
         plan = preflight(config, resume, devices)
+        config = plan.config  # activation checkpointing decided (auto resolved), once, by the preflight
         tokenizer = load_tokenizer(config.model)
-        if config.teacher is not None:  # before the data: without --data the teacher writes it (generated.py)
-            teacher = load_teacher(config.teacher, config.attn_implementation, devices.dtype,
-                                   plan.model_config.get("vocab_size"))
-        rows_needed = plan.total_steps * config.batch_size * config.grad_accum * devices.world
-        train_rows, held_out = prepare_rows(config, tokenizer, rows_needed, teacher, devices.accelerator, show_progress)
+        teacher, train_rows, held_out = _teacher_and_rows(config, plan, devices, tokenizer, show_progress)
+        log_estimate(plan.sized, devices)  # the inputs have read: the run is about to train
         set_seed(config.seed)  # before the LoRA weights are drawn
         student = build_student(config.model, plan.model_config, config.attn_implementation, torch.float32,
                                 devices.device.type, devices.compute_dtype)

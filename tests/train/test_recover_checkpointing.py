@@ -49,7 +49,7 @@ def test_checkpointing_is_not_an_outcome_setting_and_lowers_the_estimate(tiny_ml
     (model / "config.json").write_text(json.dumps({**model_config, "num_hidden_layers": 8}))
     settings = {"model": str(model), "data": ["corpus.txt"], "out": str(tmp_path / "out"), "max_steps": 2,
                 "seq_len": 64, "full_layers": True}
-    plain = RecoverConfig(**settings)
+    plain = RecoverConfig(**settings, activation_checkpointing="none")
     selective, checkpointed = (RecoverConfig(**settings, activation_checkpointing=mode) for mode in ("selective", "full"))
     assert plain.outcome_fields() == selective.outcome_fields() == checkpointed.outcome_fields()
     plain_estimate, selective_estimate, checkpointed_estimate = (
