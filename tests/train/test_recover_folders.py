@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from common import SAMPLE_TEXT
 
+from mha2mla.io.written import MANIFEST, written_names
 from mha2mla.train import RecoverConfig, RunInterrupted, recover
 from mha2mla.train.run import RecoveryRun
 
@@ -69,6 +70,8 @@ def test_a_finished_out_is_the_model_and_its_reports(tiny_mla, text, tmp_path):
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]  # peft's read of the old name
     assert all((out / name).is_file() for name in MODEL_FILES)
     assert not (out / "checkpoints").exists() and not list(out.glob("step-*"))
+    # OUT's list names everything in it (the run's settings and log too) and nothing removed (the checkpoints)
+    assert sorted(written_names(out)) == sorted(path.name for path in out.iterdir() if path.name != MANIFEST)
     weights = sum((out / name).stat().st_size for name in ("model.safetensors", "absorbed.safetensors"))
     assert sum(path.stat().st_size for path in out.rglob("*") if path.is_file()) <= 2 * weights
 
@@ -78,6 +81,18 @@ def test_keep_checkpoints_after_run_leaves_them_in_their_subfolder(tiny_mla, tex
     recover(RecoverConfig(**_settings(tiny_mla, text, out, keep_checkpoints_after_run=True)), show_progress=False)
     assert [path.name for path in (out / "checkpoints").iterdir()] == ["step-000002"]  # none at the last step
     assert not list(out.glob("step-*"))
+    assert {"checkpoints", "recover_config.json", "train_log.jsonl"} <= written_names(out).keys()
+
+
+def test_a_file_of_the_users_in_the_checkpoints_folder_stays(tiny_mla, text, tmp_path):
+    """Removing the run's checkpoints removes its step folders only; what is left is off mha2mla's list."""
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "my_model.bin").write_text("mine\n")
+    (out / "recover_config.json").write_text("{}\n")  # a run folder, so --resume auto takes it
+    recover(RecoverConfig(**_settings(tiny_mla, text, out)), resume="auto", show_progress=False)
+    assert [path.name for path in (out / "checkpoints").iterdir()] == ["my_model.bin"]
+    assert "checkpoints" not in written_names(out)
 
 
 def test_a_checkpoint_keeps_the_rows_position_and_a_resume_gives_it_back(tiny_mla, text, tmp_path, monkeypatch):
