@@ -118,10 +118,12 @@ def _config(data: list[str], **settings) -> RecoverConfig:
                                             "eval_sequences": 3, "eval_data": [], **settings})
 
 
-def test_one_text_file_is_split_between_held_out_and_training_rows(tmp_path, small_pieces):
+@pytest.mark.parametrize("name", ["one.txt", "one.jsonl"])
+def test_one_document_is_split_between_held_out_and_training_rows(tmp_path, small_pieces, name):
     text = _words(300)
-    (tmp_path / "one.txt").write_text(text)
-    train, held_out = prepare_stream(_config([str(tmp_path / "one.txt")]), CharTokenizer(), 10)
+    path = tmp_path / name
+    path.write_text(text if name.endswith(".txt") else json.dumps({"text": text}) + "\n")
+    train, held_out = prepare_stream(_config([str(path)]), CharTokenizer(), 10)
     tokens = [ord(c) for c in text] + [0]
     assert held_out.input_ids.tolist() == [tokens[i:i + SEQ_LEN] for i in range(0, 3 * SEQ_LEN, SEQ_LEN)]
     rows = (len(tokens) - 3 * SEQ_LEN) // SEQ_LEN
@@ -129,6 +131,21 @@ def test_one_text_file_is_split_between_held_out_and_training_rows(tmp_path, sma
     assert sorted(trained[:rows].tolist()) == sorted(
         tokens[i:i + SEQ_LEN] for i in range(3 * SEQ_LEN, 3 * SEQ_LEN + rows * SEQ_LEN, SEQ_LEN))
     assert not set(held_out.input_ids.flatten().tolist()) - {ord(" "), ord("\n")} & set(trained.flatten().tolist())
+    before = StreamRows([str(path)], CharTokenizer(), SEQ_LEN, 0, None, train.start)  # a resume from there
+    before.rows_at([0], 7)
+    resumed = StreamRows([str(path)], CharTokenizer(), SEQ_LEN, 0, None, train.start)
+    resumed.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    assert torch.equal(resumed.rows_at([7], 2 * rows)["input_ids"], trained[7:7 + 2 * rows])
+
+
+def test_held_out_rows_ending_inside_a_text_file_before_the_last_leave_its_rest_out(tmp_path, small_pieces):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(_words(100))
+    (tmp_path / "corpus" / "b.txt").write_text(_words(100, 100))
+    train, held_out = prepare_stream(_config([str(tmp_path / "corpus")]), CharTokenizer(), 10)
+    assert train.start == (1, None, 0)  # whole documents are held out where another follows
+    trained = set(train.rows_at([0], 30)["input_ids"].flatten().tolist()) - {0, ord(" "), ord("\n")}
+    assert trained <= {ord(c) for c in _words(100, 100)} and len(trained) > 90  # b.txt's rows only
 
 
 def test_text_that_cannot_hold_out_and_train_names_the_rows_it_fills(tmp_path, small_pieces):
