@@ -212,3 +212,25 @@ def test_help_and_argument_errors_load_no_heavy_library():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stderr.splitlines()[-1] == "[]", done.stderr
     assert "Usage: mha2mla convert [OPTIONS] SOURCE [OUT]" in done.stdout
+
+
+class _FullDiskModel:
+    """What load_gguf_model returns, whose save writes part of a file and then finds the disk full."""
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 64)
+        raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_while_convert_dequantises_a_gguf(tmp_path, private_cache, capsys, monkeypatch):
+    """inspect no longer fills the GGUF cache; convert does, and a full disk there is one sentence, nothing left."""
+    import mha2mla.io.source
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setattr(mha2mla.io.source, "load_gguf_model", lambda path, dtype=None: (_FullDiskModel(), None))
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(["convert", tmp_path / "model.gguf", tmp_path / "out", "--calib", "none"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "No space left on device" in lines[0], err
+    assert snapshot(tmp_path) == before
