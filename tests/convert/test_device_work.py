@@ -137,3 +137,36 @@ def test_attention_aware_latent_on_the_layer_device_changes_nothing_on_the_cpu(w
         assert torch.equal(default, placed)
     up_k, up_v, down = runs[0]
     assert down.shape == (4, D) and up_k.shape == up_v.shape == (H, d, 4)
+
+
+def test_a_layers_host_reads_do_not_grow_with_the_calibration_tokens(monkeypatch, tmp_path):
+    """A whole default layer (statistics, latent, stabiliser, reconstruction, advance) reads the host the same number
+    of times for 16 and for 32 calibration sequences: nothing in the layer's pipeline syncs once per batch or token.
+    Fused Adam as on a GPU; every reconstruction measurement runs, so early stopping cannot change the count."""
+    from common import build_source
+
+    from mha2mla.convert import pipeline
+    from mha2mla.convert.config import ConvertConfig
+
+    monkeypatch.setattr(reconstruct, "FUSED_ADAM_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(lowrank, "FUSED_ADAM_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(reconstruct, "PATIENCE", 1000)
+    monkeypatch.setattr(reconstruct, "MAX_STEPS", 20)
+    monkeypatch.setattr(reconstruct, "EVAL_EVERY", 10)
+    source = build_source(tmp_path / "src", "llama", num_heads=4, num_kv_heads=2)
+    convert_layer, counts = pipeline._convert_layer, {}
+
+    for sequences in (16, 32):
+        reads = counts.setdefault(sequences, [])
+
+        def counted(reader, layer, stream, reads=reads):
+            with HostReads() as counter:
+                work = convert_layer(reader, layer, stream)
+            reads.append(counter.count)
+            return work
+
+        monkeypatch.setattr(pipeline, "_convert_layer", counted)
+        options = ConvertConfig(kv_lora_rank=9, rope_dim=8, calib_samples=sequences, calib_seq_len=32)
+        pipeline.convert(source, tmp_path / f"out{sequences}", options, progress=False)
+    assert len(counts[16]) == 2 and all(count > 0 for count in counts[16])
+    assert counts[16] == counts[32], counts
