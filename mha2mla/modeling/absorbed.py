@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mha2mla import UserError
@@ -85,12 +86,52 @@ def write_absorbed(folder: str | Path, state_dict_or_getter, config) -> None:
     (folder / ABSORBED_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+# the shape keys generate compares with config.json (mha2mla.modeling.weights.check_absorbed_index)
+INDEX_SIZES = ("num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+
+
+def _damaged(path: Path, why: str) -> UserError:
+    return UserError(f"{path} is damaged ({why}); re-run the `mha2mla convert` (or `mha2mla recover`) that wrote "
+                     f"{path.parent} to write it again.")
+
+
+def read_absorbed_index(path: Path) -> dict:
+    """``absorbed.json`` as a dict holding the format name and every size of INDEX_SIZES as a positive whole number;
+    one sentence naming the file otherwise."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise _damaged(path, "not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise _damaged(path, f"not valid JSON: {error.msg} at line {error.lineno}") from None
+    except OSError as error:
+        raise UserError(f"cannot read {path} ({error.strerror}).") from None
+    if not isinstance(index, dict):
+        raise _damaged(path, f"a JSON {type(index).__name__}, not an object")
+    if index.get("format") != FORMAT_NAME:
+        raise _damaged(path, f"its format is {index.get('format')!r}, not {FORMAT_NAME!r}")
+    for key in INDEX_SIZES:
+        value = index.get(key)
+        if value is None:
+            raise _damaged(path, f"it lacks {key}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _damaged(path, f"{key} is {value!r}, not a positive whole number")
+    return index
+
+
 def load_absorbed(folder: str | Path, device: str | torch.device = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read ``absorbed.json`` and ``absorbed.safetensors`` from a converted model folder."""
+    """Read ``absorbed.json`` and ``absorbed.safetensors`` from a converted model folder: the index checked, and a
+    ``w_uk`` and ``w_uv`` for each of its layers."""
     folder = Path(folder)
     if not (folder / ABSORBED_INDEX).exists() or not (folder / ABSORBED_WEIGHTS).exists():
         raise UserError(f"{folder} has no absorbed weights ({ABSORBED_WEIGHTS}); convert it with `mha2mla convert`.")
-    index = json.loads((folder / ABSORBED_INDEX).read_text())
-    if index.get("format") != FORMAT_NAME:
-        raise UserError(f"{folder / ABSORBED_INDEX} is not an mha2mla absorbed-weights index.")
-    return index, load_file(str(folder / ABSORBED_WEIGHTS), device=str(device))
+    index = read_absorbed_index(folder / ABSORBED_INDEX)
+    try:
+        tensors = load_file(str(folder / ABSORBED_WEIGHTS), device=str(device))
+    except SafetensorError as error:
+        raise _damaged(folder / ABSORBED_WEIGHTS, " ".join(str(error).split())) from None
+    for layer in range(index["num_hidden_layers"]):
+        missing = [f"layers.{layer}.{name}" for name in ("w_uk", "w_uv") if f"layers.{layer}.{name}" not in tensors]
+        if missing:
+            raise _damaged(folder / ABSORBED_WEIGHTS, f"it lacks {missing[0]}")
+    return index, tensors
