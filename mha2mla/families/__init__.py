@@ -83,9 +83,24 @@ def refused_families() -> list[dict]:
     return json.loads(resources.files(__package__).joinpath(REFUSED_FILE).read_text())["refused"]
 
 
-def _refusal(config: dict) -> str | None:
+def _names(config: dict) -> tuple[list[str], str | None]:
+    """The config's ``architectures`` (a list of class names; one name alone is a list of one) and ``model_type``
+    (a name), or one sentence when either is of another kind."""
     architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
     model_type = config.get("model_type")
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise UserError(f"the source config.json has architectures {json.dumps(architectures)}, which is invalid: it "
+                        "must be a list of class names (e.g. [\"LlamaForCausalLM\"]); fix config.json or re-download the model.")
+    if model_type is not None and not isinstance(model_type, str):
+        raise UserError(f"the source config.json has model_type {json.dumps(model_type)}, which is invalid: it must be "
+                        "a model type's name (e.g. \"llama\"); fix config.json or re-download the model.")
+    return architectures, model_type
+
+
+def _refusal(config: dict) -> str | None:
+    architectures, model_type = _names(config)
     for entry in refused_families():
         if model_type in entry["model_types"] or any(arch in entry["architectures"] for arch in architectures):
             return f"{', '.join(architectures) or model_type} cannot be converted: {entry['reason']}."
@@ -100,8 +115,7 @@ def family_for_config(config: dict) -> Family:
     refusal = _refusal(config)
     if refusal:
         raise UserError(refusal)
-    architectures = config.get("architectures") or []
-    model_type = config.get("model_type")
+    architectures, model_type = _names(config)
     for family in all_families().values():
         if any(arch in family.architectures for arch in architectures) or model_type in family.model_types:
             for key, bad_value in family.unsupported_config.items():
