@@ -48,6 +48,11 @@ def test_recipes_exist_for_each_family():
         ("convrt:\n  profile: exact\n", "has an unknown top-level setting 'convrt' (did you mean 'convert'?)"),
         ("convert: [1]\n", "`convert:` must hold settings"),
         ("convert: {\n", "is not valid YAML"),
+        ("source: 42\n", "`source:` must be text naming the model (a hub id, a folder or a .gguf file), not the number 42"),
+        ("source: [src]\n", "`source:` must be text naming the model (a hub id, a folder or a .gguf file), not a list"),
+        ("1: 2\nconvert: {}\n", "has an unknown top-level setting 1;"),
+        ("", "is empty; give `source:` and a section per command"),
+        ("a: &a [*a]\n", "expands to more than 100,000 values"),
     ],
 )
 def test_a_bad_recipe_is_one_sentence(tmp_path, text, message):

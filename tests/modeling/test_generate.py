@@ -162,6 +162,16 @@ def test_cli_without_absorbed_weights_says_so(tmp_path, capsys):
         MLAEngine.from_pretrained(tmp_path)
 
 
+def test_prompt_not_utf8_and_seed_out_of_range_are_user_errors(checkpoint):
+    """The library refuses what the CLI's config refuses: text the tokenizer cannot encode, a seed past 2**32 - 1."""
+    _, _, engine = checkpoint
+    with pytest.raises(UserError, match=r"the prompt holds bytes that are not UTF-8 \(0xff at character 3\)"):
+        engine.generate(["ab\udcff"], max_new_tokens=1)
+    for seed in (-1, 2**32, 10**23):
+        with pytest.raises(UserError, match="--seed must be a whole number from 0 to 4294967295"):
+            engine.generate([PROMPTS[1]], max_new_tokens=1, temperature=1.0, seed=seed)
+
+
 def test_kernel_decode_attention_equals_torch(checkpoint, monkeypatch):
     """The model's call into mha2mla.kernels' split-KV decode (natively on a GPU, in Triton's interpreter on CPU:
     tests/conftest.py sets TRITON_INTERPRET=1 there) gives the logits of the plain PyTorch absorbed attention,
