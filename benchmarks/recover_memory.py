@@ -2,6 +2,7 @@
 memory estimate the same settings give (`recover --dry-run`, mha2mla/train/memory.py).
 
     python benchmarks/recover_memory.py --cases smollm2-full smollm2-full-selective smollm2-full-checkpointed smollm2-lora
+    python benchmarks/recover_memory.py --cases smollm2-full smollm2-full-auto --steps 6
     python benchmarks/recover_memory.py --cases smollm2-lora smollm2-lora-checkpointed --steps 8
     python benchmarks/recover_memory.py --cases smollm2-full --steps 6 --baseline-commit f870c13
     python benchmarks/recover_memory.py --cases llama3-8b-lora llama3-70b-lora --steps 2
@@ -15,7 +16,7 @@ median of the run's own per-step figures (its ``train_log.jsonl``) after the fir
 
 The SmolLM2 cases train the default 12.5% conversion (``.cache/converted/smollm2-135m-kv0.125``, see
 docs/benchmarks.md "Healing") on the healing text, at the healing recipe's shape (4 x 512 tokens, every decoder
-layer, LM loss, bf16), with no, selective and full activation checkpointing; ``smollm2-lora`` is LoRA rank 16 in
+layer, LM loss, bf16), with no, selective and full activation checkpointing and with the default (``auto``); ``smollm2-lora`` is LoRA rank 16 in
 float32 (what ``auto`` gives LoRA), ``smollm2-lora-checkpointed`` the same with full activation checkpointing. The
 7B-70B cases are random-weight sources at the real layer widths (benchmarks/scale.py builds them: 2 layers of
 Llama-3-8B, 1 of Llama-3-70B, a 4,096-token vocabulary), converted weight-only at 25% KV and trained with LoRA + KL
@@ -45,11 +46,12 @@ LIBRARIES = ("import torch, transformers, peft, accelerate; import mha2mla.cli.m
 SMOLLM2 = ["--full-layers", "--batch-size", "4", "--seq-len", "512", "--compute-dtype", "bfloat16",
            "--distill-weight", "0", "--lr", "3e-4"]
 CASES = {
-    "smollm2-full": SMOLLM2,
+    "smollm2-full": [*SMOLLM2, "--activation-checkpointing", "none"],
+    "smollm2-full-auto": SMOLLM2,  # the default: auto, which turns full checkpointing on when every layer trains
     "smollm2-full-selective": [*SMOLLM2, "--activation-checkpointing", "selective"],
     "smollm2-full-checkpointed": [*SMOLLM2, "--activation-checkpointing", "full"],
     "smollm2-lora": ["--lora-rank", "16", "--batch-size", "4", "--seq-len", "512", "--compute-dtype", "float32",
-                     "--distill-weight", "0"],
+                     "--distill-weight", "0", "--activation-checkpointing", "none"],
     "smollm2-lora-checkpointed": ["--lora-rank", "16", "--batch-size", "4", "--seq-len", "512", "--compute-dtype",
                                   "float32", "--distill-weight", "0", "--activation-checkpointing", "full"],
     "llama3-8b-lora": ["--lora-rank", "16", "--batch-size", "1", "--seq-len", "1024", "--distill-weight", "0.5"],

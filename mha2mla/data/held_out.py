@@ -18,7 +18,8 @@ CHARS_PER_TOKEN = 8  # a generous bound: tokenise this many characters per wante
 def _read_text(path: str | Path) -> str:
     path = Path(path).expanduser()
     if not path.is_file():
-        raise UserError(f"text file {path} does not exist; pass the path of a UTF-8 text file.")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise UserError(f"text file {path} {what}; pass the path of a UTF-8 text file.")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

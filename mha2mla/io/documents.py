@@ -94,6 +94,9 @@ def resolve_files(spec: str) -> list[Path]:
         if path.suffix.lower() not in TEXT_SUFFIXES:
             raise UserError(f"{path} is not a {_SUFFIX_LIST} file; convert it to one of those or give a folder of them.")
         return [path]
+    if not path.is_dir():
+        raise UserError(f"{path} is not a regular file or folder (a device, a pipe or a socket); give a {_SUFFIX_LIST} "
+                        "file, a folder of them, or a Hugging Face dataset id.")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
         raise UserError(f"folder {path} holds no {_SUFFIX_LIST} files; add some or point at another folder.")

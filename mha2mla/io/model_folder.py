@@ -42,6 +42,9 @@ def source_kind(spec: str | Path) -> str:
         if path.suffix.lower() != ".gguf":
             raise UserError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id.")
         return "gguf"
+    if path.exists():  # a device, a pipe or a socket
+        raise UserError(f"{path} is not a regular file or folder (a device, a pipe or a socket); pass a model folder, "
+                        "a .gguf file or a hub id.")
     if looks_like_hub_id(str(spec)):
         return "hub"
     raise UserError(f"{spec} does not exist; pass a model folder, a .gguf file or a hub id.")

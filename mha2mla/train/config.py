@@ -180,5 +180,5 @@ class RecoverConfig(BaseModel):
 
     @property
     def out_path(self) -> Path:
-        return Path(self.out)
+        return Path(self.out).expanduser()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mha2mla.io.model_folder import RECOVER_CONFIG
 from mha2mla.io.output import remove_stale, write_errors
+from mha2mla.io.written import record_written
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def open_run_folder(out: Path, settings: dict, step: int, is_main: bool = True) 
         remove_stale(out)  # a checkpoint save a killed run left half-written
         (out / RECOVER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
         (out / TRAIN_LOG).write_text("".join(line + "\n" for line in kept))
+        record_written(out, {RECOVER_CONFIG: None, TRAIN_LOG: None})  # so --force knows the run's own files
 
 
 def append_log(out: Path, record: dict, is_main: bool = True) -> None:

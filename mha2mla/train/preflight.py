@@ -55,6 +55,9 @@ def preflight(config: RecoverConfig, resume: str | None, devices: Devices) -> Pl
             raise UserError(f"teacher {config.teacher} is a file but not a .gguf; give a model folder or a .gguf file.")
         if teacher.is_dir():
             check_model_folder(teacher, hint=STUDENT_HINT)
+        elif not teacher.is_file():
+            raise UserError(f"teacher {config.teacher} is not a regular file or folder (a device, a pipe or a socket); "
+                            "give the source model folder or its .gguf file.")
     inputs = [("the model being recovered", config.model), ("the teacher", config.teacher)]
     inputs += [("the training data", spec) for spec in config.data or []]
     inputs += [("the held-out data", spec) for spec in config.eval_data or []]

@@ -195,6 +195,19 @@ def test_a_quoted_tilde_is_the_home_folder(llama_source, converted, text, tmp_pa
     assert list(work.iterdir()) == []  # nothing written to ./~
 
 
+def test_recover_writes_a_quoted_tilde_out_in_the_home_folder(tiny_mla, text, tmp_path, capsys, monkeypatch):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    args = ["recover", tiny_mla, "--data", text, "--out", "~/healed", "--seq-len", "32", "--batch-size", "2",
+            "--lora-rank", "4", "--eval-sequences", "0", "--eval-every", "0", "--no-progress", "--max-steps", "1"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert (home / "healed" / "config.json").is_file() and list(work.iterdir()) == []
+
+
 def test_a_quoted_tilde_is_checked_where_it_is_written(llama_source, tmp_path, capsys, monkeypatch, stderr_logging):
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "x").write_text("a file\n")
@@ -238,6 +251,14 @@ def test_eval_keeps_a_hand_edited_report(converted, text, tmp_path, capsys, stde
     lambda src, mla, text: ["export-gguf", mla, "/dev/null"],
     lambda src, mla, text: ["eval", mla, "--text", text, "--out", "/dev/null"],
     lambda src, mla, text: ["eval", mla, "--text", "/dev/zero"],
-], ids=["convert-out", "convert-under", "export-out", "eval-out", "eval-text"])
+    lambda src, mla, text: ["convert", "/dev/zero", text.with_name("out"), "--calib", "none"],
+    lambda src, mla, text: ["inspect", "/dev/zero"],
+    lambda src, mla, text: ["eval", "/dev/zero"],
+    lambda src, mla, text: ["convert", src, text.with_name("out"), "--calib", "/dev/zero"],
+    lambda src, mla, text: ["recover", mla, "--data", "/dev/null", "--out", text.with_name("out"), "--max-steps", "1"],
+    lambda src, mla, text: ["recover", mla, "--data", text, "--teacher", "/dev/zero", "--out", text.with_name("out"), "--max-steps", "1"],
+], ids=["convert-out", "convert-under", "export-out", "eval-out", "eval-text", "convert-source", "inspect-source",
+        "eval-model", "convert-calib", "recover-data", "recover-teacher"])
 def test_a_device_is_called_what_it_is(command, llama_source, converted, text, tmp_path, capsys, stderr_logging):
     _refused(command(llama_source, converted, text), "is not a regular file or folder", tmp_path, capsys)
+    assert not text.with_name("out").exists()

@@ -552,7 +552,8 @@ def test_gguf_cache_on_a_full_disk(error, tmp_path, private_cache, capsys, monke
     source_log = logging.getLogger("mha2mla.io.source")
     source_log.setLevel(logging.WARNING)  # the "dequantising X" progress line precedes the sentence
     try:
-        _refused(["inspect", tmp_path / "model.gguf"], None, "No space left on device", tmp_path, capsys, monkeypatch)
+        _refused(["convert", tmp_path / "model.gguf", tmp_path / "out", "--calib", "none"], None, "No space left on device",
+                 tmp_path, capsys, monkeypatch)
     finally:
         source_log.setLevel(logging.NOTSET)
 
@@ -610,7 +611,7 @@ def test_eval_kv_bytes_row_compares_in_one_dtype(llama_source, tmp_path, capsys)
 
 # ---- recover: damaged checkpoints, fallback, a kill -9 inside a save, full disks --------------------------------------
 
-# no held-out rows: the corpus is one document, and held-out rows are whole documents (mha2mla/train/stream.py)
+# no held-out rows: the runs below resume step by step, and evaluation would only slow them
 RUN_FLAGS = ["--seq-len", "32", "--batch-size", "2", "--lora-rank", "4", "--lr", "5e-3", "--eval-sequences", "0",
              "--eval-every", "0", "--no-progress", "--max-steps", "6", "--save-every", "2", "--keep-checkpoints", "2"]
 

@@ -203,4 +203,4 @@ def test_ctrl_c_before_the_first_checkpoint(tiny_mla, text, tmp_path, monkeypatc
                                              "settings and log") as raised:
         recover(RecoverConfig(**_settings(tiny_mla, text, out)), show_progress=False)
     assert isinstance(raised.value.__cause__, KeyboardInterrupt) and raised.value.exit_code == 130
-    assert sorted(path.name for path in out.iterdir()) == ["recover_config.json", "train_log.jsonl"]
+    assert sorted(path.name for path in out.iterdir()) == [".mha2mla_files", "recover_config.json", "train_log.jsonl"]
