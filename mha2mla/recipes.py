@@ -65,7 +65,8 @@ def load_recipe(path: str | Path) -> Recipe:
     if path.is_dir():
         raise UserError(f"recipe {path} is a folder; pass the path of a recipe YAML file (e.g. {path}/<name>.yaml).")
     if not path.is_file():
-        raise UserError(f"recipe {path} does not exist; pass the path of a recipe YAML file.")
+        what = "is not a regular file (a device, a pipe or a socket)" if path.exists() else "does not exist"
+        raise UserError(f"recipe {path} {what}; pass the path of a recipe YAML file.")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as error:

@@ -257,8 +257,9 @@ def test_eval_keeps_a_hand_edited_report(converted, text, tmp_path, capsys, stde
     lambda src, mla, text: ["convert", src, text.with_name("out"), "--calib", "/dev/zero"],
     lambda src, mla, text: ["recover", mla, "--data", "/dev/null", "--out", text.with_name("out"), "--max-steps", "1"],
     lambda src, mla, text: ["recover", mla, "--data", text, "--teacher", "/dev/zero", "--out", text.with_name("out"), "--max-steps", "1"],
+    lambda src, mla, text: ["convert", "--recipe", "/dev/zero", text.with_name("out")],
 ], ids=["convert-out", "convert-under", "export-out", "eval-out", "eval-text", "convert-source", "inspect-source",
-        "eval-model", "convert-calib", "recover-data", "recover-teacher"])
+        "eval-model", "convert-calib", "recover-data", "recover-teacher", "convert-recipe"])
 def test_a_device_is_called_what_it_is(command, llama_source, converted, text, tmp_path, capsys, stderr_logging):
-    _refused(command(llama_source, converted, text), "is not a regular file or folder", tmp_path, capsys)
+    _refused(command(llama_source, converted, text), "is not a regular", tmp_path, capsys)
     assert not text.with_name("out").exists()
