@@ -111,11 +111,11 @@ def _dequantising_bar_follows_transformers() -> Iterator[None]:
         module.tqdm = original
 
 
-def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
-    """Load a .gguf file with transformers (dequantised) as a plain, unquantised model and its tokenizer.
-    ``model_kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
+def load_gguf_weights(gguf_path: str | Path, dtype=None, **model_kwargs):
+    """The model of a .gguf file, loaded with transformers (dequantised) as a plain, unquantised model in ``dtype``
+    (None: float32). ``model_kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     gguf_path = Path(gguf_path)
     dequantise = _dequantising()
@@ -126,14 +126,29 @@ def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype or torch.float32, **model_kwargs
             )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as error:
         raise UserError(f"could not read {gguf_path} as a GGUF model ({_first_line(error)}).") from error
     # the weights are dequantised: forget the quantiser so save_pretrained writes plain tensors
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    return model, tokenizer
+    return model
+
+
+def load_gguf_tokenizer(gguf_path: str | Path):
+    """The tokenizer a .gguf file carries in its metadata."""
+    from transformers import AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as error:
+        raise UserError(f"could not read {gguf_path} as a GGUF model ({_first_line(error)}).") from error
+
+
+def load_gguf_model(gguf_path: str | Path, dtype=None, **model_kwargs):
+    """The model (:func:`load_gguf_weights`) and the tokenizer of a .gguf file."""
+    return load_gguf_weights(gguf_path, dtype, **model_kwargs), load_gguf_tokenizer(gguf_path)
 
 
 def _lock_file(path: Path):
@@ -195,7 +210,7 @@ def _fill(gguf_path: Path, target: Path) -> None:
         tokenizer.save_pretrained(staging)
         os.rename(staging, target)
     except OSError:
-        if not (target / "config.json").exists():  # a concurrent winner where locks do not work is kept
+        if not (target / CONFIG_FILE).exists():  # a concurrent winner where locks do not work is kept
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -210,7 +225,7 @@ def gguf_to_folder(gguf_path: str | Path) -> Path:
     gguf_path = Path(gguf_path)
     check_gguf_magic(gguf_path)
     target = _gguf_cache_folder(gguf_path)
-    if (target / "config.json").exists():
+    if (target / CONFIG_FILE).exists():
         return target
     made = not target.parent.exists()
     try:
@@ -218,7 +233,7 @@ def gguf_to_folder(gguf_path: str | Path) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             with _filling(target):
                 remove_stale(target.parent)
-                if not (target / "config.json").exists():  # else filled while this process waited for the lock
+                if not (target / CONFIG_FILE).exists():  # else filled while this process waited for the lock
                     _fill(gguf_path, target)
     except BaseException:
         if made:

@@ -1,0 +1,104 @@
+"""Load a causal language model, the one place that does: from a model folder, a ``.gguf`` file (dequantised,
+mha2mla/io/source.py) or a hub id (downloaded into the Hugging Face cache first), in one dtype and attention
+implementation. ``eval``, ``recover`` (its teacher and student) and the tests load every model through here, so a
+folder that is not a causal LM, a damaged weight file or an unloadable tokenizer gets the same sentence from each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mha2mla import UserError
+from mha2mla.io.model_folder import check_model_folder, source_kind
+from mha2mla.io.source import load_gguf_tokenizer, load_gguf_weights, resolve_source
+from mha2mla.modeling.sdpa import mla_attention_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GGUF_AUTO_DTYPE = torch.bfloat16  # what a conversion of a GGUF writes by default (mha2mla/convert/plan/resolve.py)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype:
+    """``"auto"`` (None too: the checkpoint's own dtype), a torch dtype, or the name of one of DTYPES."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype or "auto"
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def gguf_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """The dtype a GGUF model loads in: ``auto`` is bfloat16, the dtype its conversion writes by default, so a GGUF
+    source and its conversion compute in the same dtype rather than the float32 of its dequantised weights."""
+    dtype = resolve_dtype(dtype)
+    return GGUF_AUTO_DTYPE if dtype == "auto" else dtype
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]
+
+
+def check_causal_lm_folder(folder: str | Path) -> dict:
+    """config.json of a model folder (every weight file checked to read back) that holds a causal LM; one sentence
+    for a folder of another kind of model (a masked LM, a vision model)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = check_model_folder(folder)
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list):
+        architectures = [str(architectures)]
+    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+        not architectures or any(str(name).endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    )
+    if not causal:
+        what = f"a {model_type!r} model" if model_type else "a model without a model_type"
+        arch = f" ({', '.join(map(str, architectures))})" if architectures else ""
+        raise UserError(f"{folder} holds {what}{arch}, not a causal language model; pass a *ForCausalLM checkpoint.")
+    return config
+
+
+def model_path(spec: str | Path) -> tuple[str, Path]:
+    """The kind of a model argument (``folder``, ``gguf`` or ``hub``) and the local path it loads from: the folder,
+    the .gguf file, or the hub model's downloaded folder."""
+    kind = source_kind(spec)
+    if kind == "hub":
+        return kind, resolve_source(str(spec))
+    return kind, Path(spec).expanduser()
+
+
+def load_causal_lm(spec: str | Path, dtype: str | torch.dtype | None = "auto", attention: str | None = None, *,
+                   trust_remote_code: bool = False):
+    """The causal LM of ``spec`` (a model folder, a ``.gguf`` file or a hub id) in ``dtype`` (a torch dtype, one of
+    DTYPES' names, or ``"auto"``: the checkpoint's own, bfloat16 for a GGUF), with attention implementation
+    ``attention`` (None: transformers' default). A converted MLA model whose value head is narrower than its
+    query/key head runs ``sdpa`` and the default as ``mha2mla_sdpa`` (mha2mla/modeling/sdpa.py)."""
+    from transformers import AutoModelForCausalLM
+
+    kind, path = model_path(spec)
+    if kind == "gguf":
+        kwargs = {} if attention is None else {"attn_implementation": attention}
+        return load_gguf_weights(path, gguf_dtype(dtype), **kwargs)
+    config = check_causal_lm_folder(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=resolve_dtype(dtype), attn_implementation=mla_attention_for(config, attention),
+            trust_remote_code=trust_remote_code,
+        )
+    except OSError as error:
+        raise UserError(f"could not load the weights in {path} ({_first_line(error)}).") from None
+
+
+def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
+    """The tokenizer of ``spec`` (a model folder, a ``.gguf`` file or a hub id); one that does not load is one
+    sentence."""
+    from transformers import AutoTokenizer
+
+    kind, path = model_path(spec)
+    if kind == "gguf":
+        return load_gguf_tokenizer(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as error:
+        raise UserError(f"cannot load a tokenizer from {path} ({_first_line(error)}).") from None
