@@ -20,7 +20,8 @@ boundary (so each phase is charged with its own kernels). Wall and CPU seconds (
 their load. Peak memory of the conversion alone: VmHWM, reset after the floor (``/proc/self/clear_refs``).
 ``--quality`` adds the held-out perplexity of the converted model (mha2mla.evaluation.perplexity; for a
 ``--first-layers`` cut no quality figure, only a check that two runs agree). Prints the floor as a JSON line as soon
-as it is measured, then the whole JSON object and a Markdown table; the figure is conversion / floor.
+as it is measured, then the JSON record and a Markdown table (benchmarks/harness.py: the measurement is appended to
+benchmarks/records/convert_cost.jsonl, or ``--records PATH``); the figure is conversion / floor.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 GIB = 1024**3
 
@@ -199,7 +202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quality", action="store_true", help="score the converted model on the held-out texts")
     parser.add_argument("--windows", type=int, default=32, help="512-token held-out windows per text (--quality)")
     parser.add_argument("--work", default=None, help="folder for the temporary output (made if missing; default: the system's)")
-    parser.add_argument("--json", default=None, help="also write the JSON object here")
+    harness.add_output_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -237,12 +240,12 @@ def main(argv=None) -> int:
     row["conversion_over_floor"] = round(row["conversion"]["seconds"] / floor, 2)
     row["conversion_over_floor_cpu"] = round(row["conversion"]["cpu_seconds"] / floor_info["cpu_seconds"], 2)
     row["load_average_after"] = os.getloadavg()
-    print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(row, indent=2) + "\n")
-    print(markdown(row))
+    settings = {key: getattr(args, key) for key in ("model", "shape", "layers", "vocab", "first_layers", "kv_budget",
+                                                    "compute_dtype", "calib_samples", "calib_device", "quality", "windows")}
+    print(json.dumps(row), flush=True)  # one line, as gpu_check.sh's summary reads it
+    harness.report("convert_cost", settings, [row], args.json_out, table=markdown(row))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(harness.run(main))

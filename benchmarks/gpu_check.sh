@@ -12,8 +12,8 @@
 #   5. the default conversion at Llama-3-8B widths on CUDA against its floor, phase by phase
 #      (benchmarks/convert_cost.py, 2 layers: what dominates on a GPU).
 # Each phase gets at most its own limit and what is left of the 470 s budget (a phase that no longer fits is
-# skipped and says so). Full logs land in OUT_DIR (default $OUT, else ./gpu_check_out), 8 files at most; one
-# summary table is printed last.
+# skipped and says so). Full logs land in OUT_DIR (default $OUT, else ./gpu_check_out), 8 files at most, and the
+# suites' records in OUT_DIR/records/ (append them to benchmarks/records/ to keep them); one summary table last.
 # --smoke (or MHA2MLA_GPU_CHECK_SMOKE=1): the same phases on the CPU with tiny shapes, the kernels in Triton's
 # interpreter, to check the script end to end where no GPU is at hand; its figures mean nothing.
 # GPU_CHECK_PHASES="4 5" runs only those phases (a rerun of what failed).
@@ -111,6 +111,7 @@ if wants 2; then
 phase "2 kernels bench"
 t=$(limit 100)
 if [ "$t" -gt 0 ]; then timeout "$t" "$PY" benchmarks/kernels_bench.py "${BENCH[@]}" --json "$WORK/kernels_bench.json" \
+  --records "$OUT_DIR/records/kernels_bench.jsonl" \
   > "$OUT_DIR/kernels_bench.txt" 2>&1; echo "bench rc $?" | tee -a "$OUT_DIR/kernels_bench.txt"
 else echo "skipped: out of time" > "$OUT_DIR/kernels_bench.txt"; fi
 
@@ -176,7 +177,8 @@ phase "5 conversion cost: floor and phases"
 t=$(limit 150)
 if [ "$t" -gt 0 ]; then
   [ "$SMOKE" = 1 ] && build_source 60 tiny 64 2 4 2 128 "$VOCAB" >> "$OUT_DIR/convert_cost.txt" 2>&1
-  timeout "$t" "$PY" benchmarks/convert_cost.py "${COST[@]}" --work "$WORK" >> "$OUT_DIR/convert_cost.txt" 2>&1
+  timeout "$t" "$PY" benchmarks/convert_cost.py "${COST[@]}" --work "$WORK" \
+    --records "$OUT_DIR/records/convert_cost.jsonl" >> "$OUT_DIR/convert_cost.txt" 2>&1
   echo "convert_cost rc $?" | tee -a "$OUT_DIR/convert_cost.txt"
 else echo "skipped: out of time" > "$OUT_DIR/convert_cost.txt"; fi
 fi

@@ -1,5 +1,6 @@
-"""The benchmarks' shared harness: the environment record, the project's assets, timing side by side, and the
-JSON + Markdown output every suite prints (benchmarks/README.md).
+"""The benchmarks' shared harness: the environment record, the project's assets, timing side by side, the
+JSON + Markdown output every suite prints, and the records file each measurement is appended to
+(benchmarks/README.md; docs/benchmarks.md's tables are rendered from those records by benchmarks/render.py).
 
     python benchmarks/harness.py          # this machine's environment record, as the suites write it
 
@@ -9,10 +10,12 @@ The package and torch are imported inside the functions that need them, so a sui
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -25,6 +28,20 @@ REPO = Path(__file__).resolve().parents[1]
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 HELD_OUT_SLICES = ("kjv", "python_docs")  # the acceptance slices: 16,384 tokens of each, from a third in
 SLICE_TOKENS = 16384
+RECORDS = REPO / "benchmarks" / "records"  # one JSON-lines file per suite script, committed: docs/benchmarks.md's source
+# the question each suite answers, by script name: every record carries it
+QUESTIONS = {
+    "quality": "How close to the source is a converted model, without training?",
+    "convert_cost": "What does the default conversion cost against its floor, phase by phase, and in peak memory?",
+    "scale": "How long per layer and how much memory does `mha2mla convert` take at 7B-70B layer widths?",
+    "heal": "How far does `mha2mla recover` heal a conversion, on text no healing text reads?",
+    "recover_speed": "How fast does a converted model train against its source under the same settings?",
+    "recover_memory": "What peak memory and speed do real `mha2mla recover` runs reach, beside the --dry-run estimate?",
+    "recover_data": "How fast and in how much memory does recover's streamed --data read, and how fast does it resume?",
+    "decode": "How fast does a converted model decode, and how many KV-cache bytes does it hold?",
+    "kernels_bench": "How fast are the MLA Triton kernels against torch SDPA and against HBM bandwidth?",
+}
+_records_file: list[Path] = []  # set by --records (add_output_arguments); else records/<script>.jsonl
 
 
 # --- the environment -------------------------------------------------------------------------------------------
@@ -174,22 +191,73 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -
     return "\n".join(lines)
 
 
+class _RecordsFile(argparse.Action):
+    """``--records PATH``: the file this run's records are appended to, read by ``record``."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        _records_file[:] = [Path(value)]
+        setattr(namespace, self.dest, value)
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_out", default=None, metavar="PATH", help="also write the JSON record here")
+    parser.add_argument("--records", default=None, metavar="PATH", action=_RecordsFile,
+                        help="append one JSON line per measurement here (default: benchmarks/records/<suite>.jsonl)")
+
+
+def _script() -> str:
+    return Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "interactive"
+
+
+def records_path() -> Path:
+    """Where this run's records go: ``--records``, else the script's committed records file."""
+    return _records_file[0] if _records_file else RECORDS / f"{_script()}.jsonl"
+
+
+def command_line() -> str:
+    """The command as run, from the checkout: OMP_NUM_THREADS when set, the script's path, its arguments."""
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return " ".join([*([f"OMP_NUM_THREADS={threads}"] if threads else []), "python", shlex.quote(str(shown)),
+                     *map(shlex.quote, sys.argv[1:])])
+
+
+def record(suite: str, settings: dict, figures: dict, env: dict | None = None, run: dict | None = None) -> dict:
+    """Append one measurement to the records file (``records_path``) as one JSON line: the suite's question, the
+    command, the machine's flags, the commit, the library versions, the settings and the figures."""
+    env = env or environment()
+    line = {
+        "suite": suite, "question": QUESTIONS.get(_script(), ""), "command": command_line(),
+        "machine": {key: env.get(key) for key in ("cpu", "cpu_flags", "cpus", "torch_threads", "omp_num_threads",
+                                                   "load_average", "gpu")},
+        "commit": env.get("commit"),
+        "versions": {key: env.get(key) for key in ("python", "torch", "transformers", "mha2mla")},
+        "date": datetime.date.today().isoformat(), "settings": settings, "figures": figures, **({"run": run} if run else {}),
+    }
+    path = records_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(line, default=str) + "\n")
+    return line
 
 
 def report(suite: str, settings: dict, rows: Sequence[dict], json_out: str | None = None,
            columns: Sequence[str] | None = None, table: str | None = None, **extra) -> dict:
     """Print the suite's JSON record (environment, settings, results, ``extra``) and then its Markdown table
-    (``table`` when given, else ``rows`` with ``columns``); write the JSON to ``json_out`` too when given."""
-    record = {"suite": suite, "environment": environment(), "settings": settings, "results": list(rows), **extra}
-    text = json.dumps(record, indent=2, default=str)
+    (``table`` when given, else ``rows`` with ``columns``); write the JSON to ``json_out`` too when given; append
+    each row to the records file as one measurement (``record``)."""
+    env = environment()
+    whole = {"suite": suite, "environment": env, "settings": settings, "results": list(rows), **extra}
+    for row in rows:
+        record(suite, settings, row, env, run=json.loads(json.dumps(extra, default=str)) if extra else None)
+    text = json.dumps(whole, indent=2, default=str)
     print(text)
     print()
     print(table if table is not None else markdown_table(rows, columns))
     if json_out:
         Path(json_out).write_text(text + "\n", encoding="utf-8")
-    return record
+    return whole
 
 
 def run(main: Callable[[], int | None]) -> int:

@@ -3,7 +3,8 @@
     python benchmarks/kernels_bench.py --json kernels_bench.json [--quick] [--hbm-tb-s 4.8]
     TRITON_DEFAULT_FP_FUSION=1 python benchmarks/kernels_bench.py --compile all   # no GPU: resources per kernel config
 
-Prints one JSON object per measurement, then a summary JSON object and a Markdown table.
+Prints one JSON object per measurement and appends it as a record (benchmarks/harness.py:
+benchmarks/records/kernels_bench.jsonl, or ``--records PATH``), then a summary JSON object and a Markdown table.
 Shapes: DeepSeek-like (d_n 128, d_r 64, d_v 128, r 512, H 32..128) and SmolLM2-MLA (H 9, d_n 64,
 d_v 64, d_r 16..32, r 128..512). bf16 throughout. Needs CUDA.
 """
@@ -15,7 +16,7 @@ import json
 import sys
 import time
 
-import torch
+import harness
 
 DEVICE = "cuda"
 
@@ -38,9 +39,12 @@ def attention_flops(batch, heads, tokens, d_qk, d_v, backward=False):
     return 2 * pairs * (3 * d_qk + 2 * d_v) if backward else forward
 
 
-def prefill_case(name, batch, heads, tokens, d_nope, d_rope, d_v, dtype=torch.bfloat16):
+def prefill_case(name, batch, heads, tokens, d_nope, d_rope, d_v, dtype=None):
+    import torch
+
     from mha2mla.kernels.ops import flash_mla_attention
 
+    dtype = dtype or torch.bfloat16
     dev = DEVICE
     q = torch.randn(batch, heads, tokens, d_nope + d_rope, device=dev, dtype=dtype, requires_grad=True)
     k_nope = torch.randn(batch, heads, tokens, d_nope, device=dev, dtype=dtype, requires_grad=True)
@@ -80,10 +84,13 @@ def prefill_case(name, batch, heads, tokens, d_nope, d_rope, d_v, dtype=torch.bf
     return result
 
 
-def decode_case(name, batch, heads, tokens, d_nope, d_rope, d_v, rank, hbm_tb_s, dtype=torch.bfloat16):
+def decode_case(name, batch, heads, tokens, d_nope, d_rope, d_v, rank, hbm_tb_s, dtype=None):
+    import torch
+
     from mha2mla.kernels.ops import mla_decode, mla_decode_latent
     from mha2mla.kernels.reference import mla_decode_reference
 
+    dtype = dtype or torch.bfloat16
     dev = DEVICE
     cache = torch.randn(batch, tokens, rank + d_rope, device=dev, dtype=dtype)  # (B, T, r + d_r)
     q_nope = torch.randn(batch, heads, d_nope, device=dev, dtype=dtype)
@@ -227,7 +234,6 @@ def speed_table_rows(results: list[dict], device_name: str) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None, help="write all results to this file")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU under TRITON_INTERPRET=1: checks the script, measures nothing")
@@ -236,13 +242,24 @@ def main(argv=None) -> int:
                         help="no GPU needed: compile every kernel config (table: the first candidate per head width) "
                         "for sm_90 and print its registers, spills, shared memory and wgmma count (TRITON_INTERPRET "
                         "must be unset)")
+    harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.compile:
         rows = compile_report(args.compile)
-        if args.json:
-            with open(args.json, "w") as handle:
+        env = harness.environment()
+        for row in rows:
+            harness.record("kernels-compile", {"compile": args.compile}, row, env)
+        if args.json_out:
+            with open(args.json_out, "w") as handle:
                 json.dump(rows, handle, indent=2)
         return 1 if any("error" in r for r in rows) else 0
+    return measure(args)
+
+
+def measure(args) -> int:
+    """Time every prefill and decode case (tiny ones on the CPU with ``--smoke``), one record each, then the summary."""
+    import torch
+
     global DEVICE
     if args.smoke:
         DEVICE = "cpu"
@@ -269,12 +286,15 @@ def main(argv=None) -> int:
         prefill, decode = prefill[::2], decode[::2]
     results = []
     started = time.time()
+    env = harness.environment()
+    settings = {"smoke": args.smoke, "quick": args.quick, "hbm_tb_s": args.hbm_tb_s}
     for case in prefill:
         try:
             results.append(prefill_case(*case))
         except Exception as error:
             results.append({"kind": "prefill", "name": case[0], "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(results[-1]), flush=True)
+        harness.record("kernels", settings, results[-1], env)
         torch.cuda.empty_cache()
     for case in decode:
         try:
@@ -282,6 +302,7 @@ def main(argv=None) -> int:
         except Exception as error:
             results.append({"kind": "decode", "name": case[0], "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(results[-1]), flush=True)
+        harness.record("kernels", settings, results[-1], env)
         torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)"
     summary = {"device": device_name, "torch": torch.__version__, "seconds": time.time() - started,
@@ -298,8 +319,8 @@ def main(argv=None) -> int:
         else:
             print(f"| decode | {r['name']} B{r['B']} H{r['H']} T{r['T']} | | | {r['kernel_gb_s']:.0f} "
                   f"({100 * r['kernel_fraction_of_hbm']:.0f}%) |")
-    if args.json:
-        with open(args.json, "w") as handle:
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
             json.dump(summary, handle, indent=2)
     return 1 if any("error" in r for r in results) else 0
 

@@ -26,7 +26,8 @@ own average rate over the layer loop (``s/layer``, measured inside the child, ``
     OMP_NUM_THREADS=2 python benchmarks/scale.py --shapes llama3-8b --modes calibrated-no-recon --layers 1 \
         --calib-samples 16 --calib-device cpu --compute-dtypes float32 bfloat16
 
-Per conversion it prints one JSON line; at the end a Markdown table. The full-depth figures (32 / 28 / 80 layers)
+Per conversion it prints one JSON line and appends it as a record (benchmarks/harness.py: benchmarks/records/scale.jsonl,
+or ``--records PATH``); at the end a Markdown table. The full-depth figures (32 / 28 / 80 layers)
 are extrapolated, and labelled so: time = startup + depth x mean layer time + finish; peak RSS = measured peak +
 (depth - layers built) x the measured growth of anonymous memory per layer (0 when it does not grow).
 """
@@ -44,8 +45,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import harness
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
@@ -95,6 +100,7 @@ def build_source(name: str, layers: int, vocab: int, dtype: torch.dtype, folder:
     description = {"shape": name, "layers": layers, "vocab": vocab, "dtype": str(dtype)}
     if marker.is_file() and json.loads(marker.read_text()) == description:
         return folder
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, fields, _ = SHAPES[name]
@@ -297,17 +303,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--work", default=str(REPO / ".cache" / "scale"), help="sources (kept) and outputs (removed)")
     parser.add_argument("--compute-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                         help="calibrated modes: convert once per compute dtype (convert's --compute-dtype)")
-    parser.add_argument("--json", default=None, help="also write the rows here (JSON)")
+    harness.add_output_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv)
     import shutil
+
+    import torch
 
     from mha2mla.io.model_folder import read_conversion_report
 
-    args = parse_args(argv)
     work = Path(args.work)
+    env = harness.environment()
     threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
     rows = []
     for name in args.shapes:
@@ -328,11 +337,13 @@ def main(argv=None) -> int:
                     row["peak_gpu_gib"] = report.peak_gpu_gib
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+            harness.record("scale", {"shape": name, "mode": mode, "layers": args.layers, "vocab": args.vocab,
+                                     "kv_budget": args.kv_budget, "compute_dtype": compute_dtype}, row, env)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2) + "\n")
     print(markdown(rows))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(harness.run(main))
