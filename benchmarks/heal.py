@@ -17,7 +17,7 @@ debian_policy_mc (their items, scored as lm-eval scores them).
 output folder WORK/NAME are set here unless given; ``--no-data`` drops the training text: the run's default healing
 text). Training text: ``mha2mla.io.assets.healing_text_path()`` (the first 30% of the KJV and of the Python docs,
 every ~4000-character document of those parts, interleaved by position; ``--data`` after ``--`` for another, e.g.
-``mha2mla.train.healing_data.general_data_path()``), far from the held-out slices, a third into each file. The
+``mha2mla.train.data.healing.general_data_path()``), far from the held-out slices, a third into each file. The
 curve slice: the first 2,048 tokens of each in-domain slice (8 rows of 512). WORK is --work (default ``$MHA2MLA_CACHE/heal``). Training speed side by side: benchmarks/recover_speed.py.
 """
 
@@ -61,23 +61,40 @@ def prepare(work: Path) -> None:
     print(f"training text and curve slices in {work}")
 
 
+def generated_documents(input_ids, tokenizer) -> list[str]:
+    """Teacher-generated rows ((N, L) token ids, each starting with its start token) as text documents: each row
+    decoded without its start token and cut at every EOS the teacher sampled; empty pieces dropped."""
+    eos = tokenizer.eos_token_id
+    documents = []
+    for row in input_ids.tolist():
+        piece: list[int] = []
+        for token in [*row[1:], eos]:
+            if token == eos:
+                text = tokenizer.decode(piece)
+                if text.strip():
+                    documents.append(text)
+                piece = []
+            else:
+                piece.append(token)
+    return documents
+
+
 def mix(work: Path, generated: Path, seed: int = 0) -> None:
     """WORK/mix-seed<seed>.jsonl: the teacher-generated text cached in ``generated`` (a folder of
-    ``mha2mla.train.generated`` chunks, from a ``run --no-data`` with ``--teacher``) and the general healing text
-    taking turns, one document each (``mha2mla.train.healing_data.mixed_documents``)."""
+    ``mha2mla.train.data.generated`` chunks, from a ``run --no-data`` with ``--teacher``) and the general healing text
+    taking turns, one document each, generated first (``mha2mla.train.data.healing.take_turns``)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from mha2mla.train.data import PackedSequences
-    from mha2mla.train.healing_data import general_data_path, generated_documents, mixed_documents, write_documents
+    from mha2mla.train.data.healing import general_data_path, take_turns, write_documents
 
     chunks = [load_file(str(path)) for path in sorted(generated.glob("chunk-*.safetensors"))]
     ids = torch.cat([chunk["input_ids"] for chunk in chunks])
     tokenizer = AutoTokenizer.from_pretrained(str(harness.source_model()))
-    synthetic = generated_documents(PackedSequences(ids, ids, 0, 0), tokenizer)
+    synthetic = generated_documents(ids, tokenizer)
     real = [json.loads(line)["text"] for line in general_data_path(seed).read_text(encoding="utf-8").splitlines()]
-    target = write_documents(work / f"mix-seed{seed}.jsonl", mixed_documents(synthetic, real))
+    target = write_documents(work / f"mix-seed{seed}.jsonl", take_turns([synthetic, real]))
     print(f"{target}: {len(synthetic)} generated documents ({len(ids)} rows) and {len(real)} real ones, taking turns")
 
 
@@ -162,14 +179,14 @@ def step(converted: str, lr: float, json_out: str | None = None) -> None:
     by the learning rate against its gradient's sign, so each kind (q_proj, kv_b_proj, ... over every layer) is
     stepped alone by ``lr`` times the sign of the LM loss's gradient on 4 × 512 tokens of the general healing text,
     the loss measured, the kind put back; the model as converted and with its latents balanced
-    (mha2mla.train.model.balance_latent_scales, what recover trains)."""
+    (mha2mla.train.model.student.balance_latent_scales, what recover trains)."""
     import re
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mha2mla.train.healing_data import general_data_path
-    from mha2mla.train.model import balance_latent_scales
+    from mha2mla.train.data.healing import general_data_path
+    from mha2mla.train.model.student import balance_latent_scales
 
     tokenizer = AutoTokenizer.from_pretrained(converted)
     documents = [json.loads(line)["text"] for line in general_data_path().read_text(encoding="utf-8").splitlines()[:40]]

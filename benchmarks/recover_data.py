@@ -1,5 +1,5 @@
 """Recovery, the data path alone: tokens/s and peak RSS of `mha2mla recover`'s streamed ``--data``
-(mha2mla/train/stream.py) over a generated corpus of ~1B tokens against the same stream over a small corpus, the
+(mha2mla/train/data/stream.py) over a generated corpus of ~1B tokens against the same stream over a small corpus, the
 time to resume at a row far into the large one, and the in-memory packing the stream replaced, on the small one.
 
     OMP_NUM_THREADS=1 python benchmarks/recover_data.py --corpus /tmp/recover_data_corpus --tokens 1e9
@@ -98,7 +98,7 @@ def measure_stream(tokenizer, spec: dict) -> dict:
     """Read the stream's first epoch (or its first ``read_tokens``) batch by batch; the data states of its blocks and a
     hash of every batch."""
     from mha2mla.io.documents import units
-    from mha2mla.train.stream import StreamRows
+    from mha2mla.train.data.stream import StreamRows
 
     rows = StreamRows(units(spec["corpus"]), tokenizer, spec["seq_len"], seed=0)
     states, digests, start = [], {}, 0
@@ -123,7 +123,7 @@ def measure_stream(tokenizer, spec: dict) -> dict:
 def measure_packing(tokenizer, spec: dict) -> dict:
     """The path before streaming: the whole corpus read, tokenized and packed into memory at once."""
     from mha2mla.io.documents import iter_documents
-    from mha2mla.train.data import pack_documents
+    from mha2mla.train.data.packing import pack_documents
 
     started = time.perf_counter()
     documents = iter_documents(spec["corpus"], None)
@@ -134,7 +134,7 @@ def measure_packing(tokenizer, spec: dict) -> dict:
 def measure_resume(tokenizer, spec: dict) -> dict:
     """A fresh stream set to a saved state, then the batch at ``resume_row``: seconds and its hash."""
     from mha2mla.io.documents import units
-    from mha2mla.train.stream import StreamRows
+    from mha2mla.train.data.stream import StreamRows
 
     started = time.perf_counter()
     rows = StreamRows(units(spec["corpus"]), tokenizer, spec["seq_len"], seed=0)

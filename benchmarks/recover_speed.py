@@ -32,10 +32,10 @@ def build_entries(args, source: str, config) -> dict[tuple[str, str], dict]:
     """One prepared ``RecoveryRun`` per (model, compute dtype), keyed by the model's label and the resolved dtype."""
     from mha2mla.train import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS
     from mha2mla.train.devices import start_devices
-    from mha2mla.train.model import load_student
-    from mha2mla.train.run import RecoveryRun
-    from mha2mla.train.teacher import load_teacher
-    from mha2mla.train.trainable import make_trainable
+    from mha2mla.train.loop import RecoveryRun
+    from mha2mla.train.model.student import load_student
+    from mha2mla.train.model.teacher import load_teacher
+    from mha2mla.train.model.trainable import make_trainable
 
     loaders = {
         "converted": ("converted (MLA)", lambda: load_student(args.converted, args.attn_implementation), MLA_LORA_TARGETS),
@@ -97,8 +97,8 @@ def training_rows(args):
     """(the RecoverConfig of the timed steps, warm-up + timed batches of packed KJV rows from the training region)."""
     from mha2mla.io.cache import cached_held_out_text
     from mha2mla.train import LoraSettings, RecoverConfig
-    from mha2mla.train.data import pack_token_lists
-    from mha2mla.train.teacher import load_tokenizer
+    from mha2mla.train.data.packing import pack_token_lists
+    from mha2mla.train.model.teacher import load_tokenizer
 
     tokenizer = load_tokenizer(args.converted)
     text_path = cached_held_out_text("kjv")

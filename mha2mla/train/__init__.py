@@ -17,7 +17,7 @@ import importlib
 from mha2mla import UserError
 from mha2mla.train.config import MLA_LORA_TARGETS, SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig
 
-_LAZY = {"recover": "mha2mla.train.trainer", "RecoveryRun": "mha2mla.train.run"}
+_LAZY = {"recover": "mha2mla.train.trainer", "RecoveryRun": "mha2mla.train.loop"}
 
 __all__ = ["MLA_LORA_TARGETS", "SOURCE_LORA_TARGETS", "LoraSettings", "RecoverConfig", "RecoveryRun", "RunInterrupted",
            "recover"]

@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 
 from mha2mla.evaluation.perplexity import batch_nll
-from mha2mla.train.data import PackedSequences, target_mask
+from mha2mla.train.data.packing import PackedSequences, target_mask
 from mha2mla.train.head_losses import final_hidden, head_losses
 
 

@@ -1,7 +1,7 @@
 """How much memory a recovery run needs, from the model's shapes and the run's settings, before anything loads
 (``mha2mla recover --dry-run``, and the first lines of every run; docs/recover.md, "Memory").
 
-The parameter counts are exact (trainable.meta_counts): the student (and a teacher folder) are built on torch's ``meta``
+The parameter counts are exact (model/trainable.py, meta_counts): the student (and a teacher folder) are built on torch's ``meta``
 device from their config.json and made trainable as the run makes them (LoRA, full attention or full layers), which
 allocates nothing.
 The rest is counted per process from what the run holds at its peak, the end of a training step's forward pass
@@ -41,9 +41,9 @@ import torch
 
 from mha2mla import UserError
 from mha2mla.train.config import RecoverConfig
+from mha2mla.train.data.stream import peak_bytes
 from mha2mla.train.losses import CHUNK_POSITIONS
-from mha2mla.train.stream import peak_bytes
-from mha2mla.train.trainable import ParameterCounts, meta_counts
+from mha2mla.train.model.trainable import ParameterCounts, meta_counts
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def kept_and_recomputed(model_config: dict, mode: str, per_layer: int) -> tuple[
 def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, compute_dtype: str = "float32",
              world: int = 1, sharded: bool = False) -> MemoryEstimate:
     """The run's memory per process (``world`` processes; ``sharded``: FSDP, weights and states split over them),
-    from the parameter counts (trainable.meta_counts) and the run's optimizer steps."""
+    from the parameter counts (model/trainable.py, meta_counts) and the run's optimizer steps."""
     model_config = json.loads((Path(config.model) / "config.json").read_text())
     trainable, total = counts.trainable, counts.total
     split = world if sharded else 1

@@ -1,6 +1,6 @@
 """Everything a user can get wrong about a recovery run, checked before anything loads or OUT is touched, in one
 place: the model folder (and the teacher: a folder or a ``.gguf`` file), OUT (not an input, not above the current
-folder, writable), the run folder's state and the checkpoint to resume (resume.py), and the memory the run needs
+folder, writable), the run folder's state and the checkpoint to resume (state/resume.py), and the memory the run needs
 on its device (memory.py), which decides its activation checkpointing once (``auto``). What the checks read comes
 back as the run's ``Plan``; its estimate is logged (``log_estimate``) once the run's data has read, so that a bad
 input is the only line a refused run prints."""
@@ -16,9 +16,9 @@ from mha2mla.io.output import check_destination
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.devices import Devices
 from mha2mla.train.memory import SizedRun, check_run_memory
-from mha2mla.train.model import STUDENT_HINT
-from mha2mla.train.resume import restore
-from mha2mla.train.trainable import ParameterCounts, meta_counts
+from mha2mla.train.model.student import STUDENT_HINT
+from mha2mla.train.model.trainable import ParameterCounts, meta_counts
+from mha2mla.train.state.resume import restore
 
 
 @dataclass(frozen=True)

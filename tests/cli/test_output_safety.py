@@ -22,7 +22,7 @@ from common import SAMPLE_TEXT, build_source, run_cli, snapshot, tiny_tokenizer
 
 from mha2mla.io.staging import NAME_MAX, _host, remove_stale, staging_name, staging_path
 from mha2mla.io.written import MANIFEST, record_written, written_names
-from mha2mla.train import checkpoint as ckpt
+from mha2mla.train.state import checkpoint as ckpt
 
 LONG = "m" * 240  # a legal name; its staging name would be about 280 bytes written out in full
 

@@ -620,7 +620,7 @@ RUN_FLAGS = ["--seq-len", "32", "--batch-size", "2", "--lora-rank", "4", "--lr",
 def unfinished_run(tiny_mla, tmp_path_factory) -> tuple[Path, Path]:
     """(training text, a recover run folder with checkpoints step-000002 and step-000004 and no model yet): a run
     stopped before its export."""
-    from mha2mla.train.run import RecoveryRun
+    from mha2mla.train.loop import RecoveryRun
 
     base = tmp_path_factory.mktemp("run")
     (base / "corpus.txt").write_text(SAMPLE_TEXT * 4)
@@ -716,7 +716,7 @@ def test_resume_with_damaged_run_settings(unfinished_run, tiny_mla, tmp_path, ca
 def test_kill_9_inside_a_checkpoint_save_then_resume_auto(unfinished_run, tiny_mla, tmp_path):
     """The run is held inside its step-4 save (checkpoint.HOLD_ENV, half its files written) and killed there: step 2
     stays complete, and --resume auto finishes the run from it."""
-    from mha2mla.train.checkpoint import HOLD_ENV, load_checkpoint
+    from mha2mla.train.state.checkpoint import HOLD_ENV, load_checkpoint
 
     corpus, _ = unfinished_run
     run = tmp_path / "run"
@@ -748,10 +748,10 @@ def _full_disk(*args, **kwargs):
 
 
 def test_recover_checkpoint_save_on_a_full_disk(tiny_mla, tmp_path, capsys, monkeypatch, stderr_logging):
-    import mha2mla.train.checkpoint
+    import mha2mla.train.state.checkpoint
 
     (tmp_path / "corpus.txt").write_text(SAMPLE_TEXT * 4)
-    monkeypatch.setattr(mha2mla.train.checkpoint, "_write_synced", _full_disk)
+    monkeypatch.setattr(mha2mla.train.state.checkpoint, "_write_synced", _full_disk)
     run = tmp_path / "run"
     code, _, err = run_cli(["recover", tiny_mla, "--data", tmp_path / "corpus.txt", "--out", run, *RUN_FLAGS], capsys)
     lines = err.strip().splitlines()
@@ -761,14 +761,14 @@ def test_recover_checkpoint_save_on_a_full_disk(tiny_mla, tmp_path, capsys, monk
 
 
 def test_recover_export_on_a_full_disk(tiny_mla, tmp_path, capsys, monkeypatch, stderr_logging):
-    import mha2mla.train.merge
+    import mha2mla.train.model.merge
 
     def full_while_writing(folder, *args, **kwargs):  # safetensors reports a full disk only in its message
         (Path(folder) / "absorbed.safetensors").write_bytes(b"\0" * 64)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     (tmp_path / "corpus.txt").write_text(SAMPLE_TEXT * 4)
-    monkeypatch.setattr(mha2mla.train.merge, "write_absorbed", full_while_writing)
+    monkeypatch.setattr(mha2mla.train.model.merge, "write_absorbed", full_while_writing)
     run = tmp_path / "run"
     code, _, err = run_cli(["recover", tiny_mla, "--data", tmp_path / "corpus.txt", "--out", run, *RUN_FLAGS], capsys)
     lines = err.strip().splitlines()

@@ -263,7 +263,7 @@ def test_help_names_values_without_python_types(command, capsys):
 
 def test_sigterm_mid_recover_keeps_the_checkpoints(tiny_mla, text, tmp_path, capsys, monkeypatch, stderr_logging):
     """recover's own interruption sentence, as SIGTERM: the saved checkpoints stay for --resume auto, exit 143."""
-    from mha2mla.train.run import RecoveryRun
+    from mha2mla.train.loop import RecoveryRun
 
     original, calls = RecoveryRun.train_step, []
 

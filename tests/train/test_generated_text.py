@@ -1,4 +1,4 @@
-"""`mha2mla recover --teacher SOURCE` with no --data: the teacher's own text (mha2mla/train/generated.py), seeded,
+"""`mha2mla recover --teacher SOURCE` with no --data: the teacher's own text (mha2mla/train/data/generated.py), seeded,
 cached chunk by chunk and reused, a run trained on it, and the one-sentence error when there is neither."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from common import build_source, run_cli
 
 from mha2mla import UserError
 from mha2mla.train import RecoverConfig, recover
-from mha2mla.train import generated as generated_module
-from mha2mla.train.data import target_mask
-from mha2mla.train.generated import document_positions, generated_rows
-from mha2mla.train.model import load_teacher, load_tokenizer
+from mha2mla.train.data import generated as generated_module
+from mha2mla.train.data.generated import document_positions, generated_rows
+from mha2mla.train.data.packing import target_mask
+from mha2mla.train.model.teacher import load_teacher, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_sampling_flags_reach_the_settings(tiny_mla, tmp_path, capsys):
 
 
 def test_a_run_saved_before_the_sampling_settings_existed_resumes(tiny_mla, teacher_folder, tmp_path):
-    from mha2mla.train.resume import check_same_run
+    from mha2mla.train.state.resume import check_same_run
 
     config = _config(tiny_mla, teacher_folder, tmp_path, data=["corpus.txt"], generated_temperature=1.0)
     saved = {key: value for key, value in config.outcome_fields().items() if not key.startswith("generated_")}

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from common import build_source
 
 from mha2mla.train import LoraSettings, losses
-from mha2mla.train.data import pack_token_lists, target_mask
+from mha2mla.train.data.packing import pack_token_lists, target_mask
 from mha2mla.train.head_losses import final_hidden, head_losses, micro_batch_losses
-from mha2mla.train.model import load_student
-from mha2mla.train.teacher import load_teacher
-from mha2mla.train.trainable import make_trainable
+from mha2mla.train.model.student import load_student
+from mha2mla.train.model.teacher import load_teacher
+from mha2mla.train.model.trainable import make_trainable
 
 
 def _whole(hidden, weight, teacher_hidden, teacher_weight, ids, mask, lm_weight, kl_weight, temperature):
@@ -109,7 +109,7 @@ def test_held_out_perplexity_against_the_lm_head_in_chunks_equals_the_whole_logi
     perplexity as ``batch_nll`` on the whole logits, the FSDP path, which scores segment starts out as well."""
     from accelerate import Accelerator
 
-    from mha2mla.train.data import pack_token_lists
+    from mha2mla.train.data.packing import pack_token_lists
     from mha2mla.train.evaluate import packed_perplexity
 
     student = pair[0]

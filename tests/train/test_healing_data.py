@@ -1,25 +1,21 @@
-"""The default healing text (mha2mla/train/healing_data.py): the same documents for the same seed, every domain
-alike in a run's first rows, built once from the cached general texts, and a missing text is one sentence."""
+"""The default healing text (mha2mla/train/data/healing.py): the same documents for the same seed, every domain
+alike in a run's first rows, built once from the cached general texts, and a missing text is one sentence; and the
+benchmark's mix of generated and real text (benchmarks/heal.py, run as the benchmark runs: a script)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from mha2mla import UserError
 from mha2mla.io.assets import GENERAL_TEXTS, general_text_path, split_documents
-from mha2mla.train.data import PackedSequences
-from mha2mla.train.healing_data import (
-    default_data,
-    general_data_path,
-    general_documents,
-    generated_documents,
-    mixed_documents,
-    take_turns,
-)
+from mha2mla.train.data.healing import default_data, general_data_path, general_documents, take_turns
 
 
 def _texts(counts: dict[str, int]) -> dict[str, str]:
@@ -40,7 +36,7 @@ def test_every_domain_takes_its_turn_until_it_runs_out():
     assert domains[:36] == ["a", "b", "c"] * 12  # every text alike while the shortest lasts
     assert domains[36:] == ["a", "c"] * 8 + ["a"] * 10
     assert take_turns([[1, 2, 3], [], [4]]) == [1, 4, 2, 3]
-    assert mixed_documents(["g1", "g2"], ["r1", "r2", "r3"]) == ["g1", "r1", "g2", "r2", "r3"]
+    assert take_turns([["g1", "g2"], ["r1", "r2", "r3"]]) == ["g1", "r1", "g2", "r2", "r3"]
 
 
 def _write_general(cache) -> dict[str, str]:
@@ -77,25 +73,36 @@ def test_a_missing_general_text_is_one_sentence_and_nothing_is_written(tmp_path,
     assert not list(general_text_path(missing).parent.glob("*.jsonl"))
 
 
-class _Tokenizer:
+GENERATED_DOCUMENTS = """
+import sys, torch
+sys.path.insert(0, "benchmarks")
+from heal import generated_documents
+
+class Tokenizer:
     eos_token_id = 0
 
     def decode(self, ids):
         return " ".join(f"w{i}" for i in ids)
 
+ids = torch.tensor([[1, 5, 6, 0, 7, 0], [1, 0, 0, 8, 9, 9]])  # the start token, then sampled tokens
+print(generated_documents(ids, Tokenizer()))
+"""
+
 
 def test_generated_rows_become_documents_cut_at_every_eos():
-    ids = torch.tensor([[1, 5, 6, 0, 7, 0], [1, 0, 0, 8, 9, 9]])  # the start token, then sampled tokens
-    rows = PackedSequences(ids, torch.zeros_like(ids), 2, 0)
-    assert generated_documents(rows, _Tokenizer()) == ["w5 w6", "w7", "w8 w9 w9"]
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", GENERATED_DOCUMENTS], cwd=root, capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "['w5 w6', 'w7', 'w8 w9 w9']"
 
 
 def test_a_run_given_no_data_trains_on_the_general_text(tmp_path, monkeypatch):
     from common import tiny_tokenizer
 
     from mha2mla.train.config import RecoverConfig
-    from mha2mla.train.generated import prepare_rows
-    from mha2mla.train.stream import prepare_stream
+    from mha2mla.train.data.rows import prepare_rows
+    from mha2mla.train.data.stream import prepare_stream
 
     monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path))
     _write_general(tmp_path)

@@ -8,7 +8,7 @@ import torch
 from common import tiny_deepseek_config
 from transformers import AutoModelForCausalLM
 
-from mha2mla.train.model import load_student
+from mha2mla.train.model.student import load_student
 
 
 def _rms(tensor: torch.Tensor) -> float:

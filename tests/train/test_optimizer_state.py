@@ -1,4 +1,4 @@
-"""A checkpoint's optimizer state (mha2mla/train/distributed.py) says what AdamW holds, not how a process steps it:
+"""A checkpoint's optimizer state (mha2mla/train/state/gather.py) says what AdamW holds, not how a process steps it:
 the fused kernel (one device) and the plain loop (FSDP) save the same state, and a resumed optimizer keeps its own
 way of stepping."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from mha2mla.train.distributed import IMPLEMENTATION_KEYS, gathered_optimizer_state, load_optimizer_state
+from mha2mla.train.state.gather import IMPLEMENTATION_KEYS, gathered_optimizer_state, load_optimizer_state
 
 ONE_PROCESS = SimpleNamespace(distributed_type=DistributedType.NO)
 
@@ -55,7 +55,7 @@ def test_a_full_disk_while_torch_saves_a_checkpoint_file_is_the_oserror_itself()
     OSError back, so the run's one sentence names the full disk (tests/cli/test_reliability.py)."""
     import errno
 
-    from mha2mla.train.checkpoint import _torch_file
+    from mha2mla.train.state.checkpoint import _torch_file
 
     class FullDisk:
         written = 0

@@ -21,13 +21,13 @@ from transformers import AutoModelForCausalLM
 
 from mha2mla.recipes import build_settings
 from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, losses, recover
-from mha2mla.train.data import RowOrder, pack_token_lists, target_mask
+from mha2mla.train.data.packing import RowOrder, pack_token_lists, target_mask
 from mha2mla.train.devices import start_devices
-from mha2mla.train.merge import write_recovered
-from mha2mla.train.model import load_student
-from mha2mla.train.run import RecoveryRun
-from mha2mla.train.teacher import load_tokenizer
-from mha2mla.train.trainable import make_trainable
+from mha2mla.train.loop import RecoveryRun
+from mha2mla.train.model.merge import write_recovered
+from mha2mla.train.model.student import load_student
+from mha2mla.train.model.teacher import load_tokenizer
+from mha2mla.train.model.trainable import make_trainable
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")

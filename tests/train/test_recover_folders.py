@@ -18,7 +18,7 @@ from common import SAMPLE_TEXT
 
 from mha2mla.io.written import MANIFEST, written_names
 from mha2mla.train import RecoverConfig, RunInterrupted, recover
-from mha2mla.train.run import RecoveryRun
+from mha2mla.train.loop import RecoveryRun
 
 MODEL_FILES = ("config.json", "model.safetensors", "absorbed.safetensors", "README.md", "recovery_report.json")
 
@@ -102,9 +102,9 @@ def test_a_checkpoint_keeps_the_rows_position_and_a_resume_gives_it_back(tiny_ml
     checkpoint = _unfinished_run(tiny_mla, text, out)
     saved = json.loads((checkpoint / "trainer_state.json").read_text())["data"]
     assert isinstance(saved, dict) and saved
-    import mha2mla.train.generated
+    import mha2mla.train.data.rows
 
-    loaded, prepare_rows = [], mha2mla.train.generated.prepare_rows
+    loaded, prepare_rows = [], mha2mla.train.data.rows.prepare_rows
 
     def rows_recording_loads(*args, **kwargs):
         train_rows, held_out = prepare_rows(*args, **kwargs)

@@ -3,7 +3,7 @@ checkpoint folder, an exact resume after SIGKILL, and FSDP version 1 refused in 
 same check on CUDA is gpu-marked (benchmarks/gpu_check.sh runs it).
 
 accelerate selects FSDP only on accelerator devices; on CPU processes the recipe switches its state to FSDP when
-``ACCELERATE_USE_FSDP=true`` (mha2mla/train/distributed.py), so these runs go through accelerate's FSDP2 code."""
+``ACCELERATE_USE_FSDP=true`` (mha2mla/train/state/gather.py), so these runs go through accelerate's FSDP2 code."""
 
 from __future__ import annotations
 

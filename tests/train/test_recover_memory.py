@@ -18,7 +18,7 @@ from common import SAMPLE_TEXT, tiny_deepseek_config, tiny_tokenizer
 
 from mha2mla.train import RecoverConfig
 from mha2mla.train.memory import GIB, estimate
-from mha2mla.train.trainable import meta_counts
+from mha2mla.train.model.trainable import meta_counts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ CHILD = """
 import ctypes, json, sys
 ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
 from pathlib import Path
-import mha2mla.train.trainer, mha2mla.train.run, mha2mla.train.merge, peft, accelerate, safetensors.torch
+import mha2mla.train.trainer, mha2mla.train.loop, mha2mla.train.model.merge, peft, accelerate, safetensors.torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from mha2mla.train import RecoverConfig, recover
 

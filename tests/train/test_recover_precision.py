@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 import mha2mla.compute
 from mha2mla.train import RecoverConfig, recover
-from mha2mla.train.data import pack_token_lists
+from mha2mla.train.data.packing import pack_token_lists
 from mha2mla.train.devices import start_devices
-from mha2mla.train.model import load_student
-from mha2mla.train.run import RecoveryRun
-from mha2mla.train.trainable import make_trainable
+from mha2mla.train.loop import RecoveryRun
+from mha2mla.train.model.student import load_student
+from mha2mla.train.model.trainable import make_trainable
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_a_run_saved_with_mixed_precision_resumes_under_compute_dtype(tmp_path):
     """A run started before compute_dtype existed recorded ``mixed_precision``: resuming it compares the mapped value."""
     from mha2mla import UserError
     from mha2mla.io.model_folder import RECOVER_CONFIG
-    from mha2mla.train.resume import check_same_run
+    from mha2mla.train.state.resume import check_same_run
 
     config = RecoverConfig(model="m", data=["d"], out=str(tmp_path), max_steps=2, compute_dtype="float32")
     saved = {key: value for key, value in config.outcome_fields().items() if key != "compute_dtype"}

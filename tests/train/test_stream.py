@@ -1,4 +1,4 @@
-"""mha2mla.train.stream: --data streamed, packed as data.py packs, seeded, resumable at the exact next row, epochs
+"""mha2mla.train.data.stream: --data streamed, packed as data.py packs, seeded, resumable at the exact next row, epochs
 wrapping, held-out rows never trained on, bad input one sentence; data.MemoryRows behind the same interface."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from mha2mla import UserError
 from mha2mla.io import documents as documents_module
 from mha2mla.train import RecoverConfig
-from mha2mla.train import stream as stream_module
-from mha2mla.train.data import MemoryRows, RowOrder, pack_token_lists
-from mha2mla.train.stream import StreamRows, prepare_stream
+from mha2mla.train.data import stream as stream_module
+from mha2mla.train.data.packing import MemoryRows, RowOrder, pack_token_lists
+from mha2mla.train.data.stream import StreamRows, prepare_stream
 
 SEQ_LEN = 8
 

@@ -1,5 +1,5 @@
 """Resumable checkpoints: ``OUT/checkpoints/step-NNNNNN/`` holds the trainable weights (and the peft adapter),
-optimizer, scheduler, every process's RNG state (distributed.py gathers them) and the trainer state with the data
+optimizer, scheduler, every process's RNG state (gather.py gathers them) and the trainer state with the data
 position. They are the run's, not the model's: once the model is written they are removed
 (:func:`remove_checkpoints`) unless asked to stay, and an interrupted run says which it keeps
 (:func:`interrupted_sentence`). A run folder of the earlier layout (``OUT/step-NNNNNN/``) still resumes: both places

@@ -1,6 +1,6 @@
 """What a recovery run loads before its text: the tokenizer (the student's) and the teacher, the frozen source
 model (a Hugging Face folder or a ``.gguf`` file, dequantized on load) that the student is distilled from and that
-writes the training text when there is no ``--data`` (generated.py). The teacher's path was checked with the other
+writes the training text when there is no ``--data`` (data/generated.py). The teacher's path was checked with the other
 inputs (preflight.py)."""
 
 from __future__ import annotations

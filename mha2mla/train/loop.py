@@ -28,16 +28,16 @@ from time import monotonic
 import torch
 from tqdm.auto import tqdm
 
-from mha2mla.train import checkpoint as ckpt
 from mha2mla.train.config import RecoverConfig
-from mha2mla.train.data import target_mask
+from mha2mla.train.data.packing import target_mask
 from mha2mla.train.devices import Devices
-from mha2mla.train.distributed import gathered_state, gathered_trainable, restore_state
 from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.head_losses import micro_batch_losses
-from mha2mla.train.log import append_log, log_evaluation, recovery_report
-from mha2mla.train.merge import reloaded_model, write_recovered
+from mha2mla.train.model.merge import reloaded_model, write_recovered
 from mha2mla.train.schedule import lr_multiplier
+from mha2mla.train.state import checkpoint as ckpt
+from mha2mla.train.state.gather import gathered_state, gathered_trainable, restore_state
+from mha2mla.train.state.run_log import append_log, log_evaluation, recovery_report
 
 log = logging.getLogger(__name__)
 

@@ -92,6 +92,3 @@ def balance_latent_scales(model) -> None:
                 norm.weight.div_(scale)
                 up.weight.mul_(scale)
 
-
-# the teacher side moved to teacher.py; tests/train/test_generated_text.py (another suite) still imports it from here
-from mha2mla.train.teacher import load_teacher, load_tokenizer  # noqa: E402, F401

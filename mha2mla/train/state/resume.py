@@ -8,8 +8,8 @@ from pathlib import Path
 
 from mha2mla import UserError
 from mha2mla.io.model_folder import RECOVER_CONFIG, RECOVERY_REPORT
-from mha2mla.train import checkpoint as ckpt
 from mha2mla.train.config import LEGACY_MIXED_PRECISION, RecoverConfig
+from mha2mla.train.state import checkpoint as ckpt
 
 
 def flat_settings(settings: dict, prefix: str = "") -> dict:

@@ -20,9 +20,9 @@ from mha2mla.io.card import write_recovery_card
 from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVER_CONFIG, RECOVERY_REPORT
 from mha2mla.io.output import staged_output
 from mha2mla.modeling.absorbed import write_absorbed
-from mha2mla.train.log import TRAIN_LOG
-from mha2mla.train.model import load_student
-from mha2mla.train.trainable import load_trainable_state, make_trainable
+from mha2mla.train.model.student import load_student
+from mha2mla.train.model.trainable import load_trainable_state, make_trainable
+from mha2mla.train.state.run_log import TRAIN_LOG
 
 
 def merged_model(model):

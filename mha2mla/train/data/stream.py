@@ -5,7 +5,7 @@ and a resumed run starts at its next row without reading the corpus again.
 The run's order of rows, fixed by the seed:
 
 - the units (files, dataset ids) are visited in a seeded order, a new one each epoch; their documents are
-  tokenized (EOS after each) and packed back to back across unit boundaries with data.py's rules (positions
+  tokenized (EOS after each) and packed back to back across unit boundaries with packing.py's rules (positions
   restart at every document start and at a row start), the last partial row of an epoch dropped;
 - the packed rows come in blocks of ``SHUFFLE_BLOCK_TOKENS // seq_len`` rows, each block's rows in a seeded
   permutation of its own (epoch, block); rows are numbered on across epochs.
@@ -16,7 +16,7 @@ cursor of the block being read is the state a checkpoint keeps; resuming opens t
 offset, a parquet row group, ...), so it reads one block, not the corpus.
 
 Held-out rows, when they come from the training text, are the first ``eval_sequences`` rows packed in the units'
-given order (data.pack_held_out); training starts at the first document that gave them no token, so a document they
+given order (packing.pack_held_out); training starts at the first document that gave them no token, so a document they
 come from is never trained on, except where they end inside the text's last document (one text file, say): that
 one is split, and training starts at the token after them."""
 
@@ -35,7 +35,7 @@ from mha2mla import UserError
 from mha2mla.io import pieces
 from mha2mla.io.documents import PLAIN_SUFFIXES, is_local, resolve_files, units
 from mha2mla.io.pieces import iter_pieces
-from mha2mla.train.data import PackedSequences, pack_held_out, pack_pieces, pack_token_lists, piece_ids
+from mha2mla.train.data.packing import PackedSequences, pack_held_out, pack_pieces, pack_token_lists, piece_ids
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ def peak_bytes(sources: list[str] | None, seq_len: int) -> int:
 
 class StreamRows:
     """The training rows of ``--data``: ``rows_at(starts, size)``, ``state_dict()``, ``load_state_dict(state)`` (the
-    interface of data.MemoryRows). ``start`` is (unit index, locator, tokens to skip) of the first training piece in
-    the units' given order (data.pack_held_out): the units before it, the pieces before the locator and that piece's
+    interface of packing.MemoryRows). ``start`` is (unit index, locator, tokens to skip) of the first training piece in
+    the units' given order (packing.pack_held_out): the units before it, the pieces before the locator and that piece's
     first tokens are held out."""
 
     def __init__(self, unit_names: list[str], tokenizer, seq_len: int, seed: int, text_field: str | None = None,
@@ -243,7 +243,7 @@ class StreamRows:
 
 def prepare_stream(config, tokenizer, rows_needed: int) -> tuple[StreamRows, PackedSequences | None]:
     """A run's streamed training rows of ``data`` and its held-out rows: ``eval_data``'s first ``eval_sequences``
-    rows (all of them for 0), or the training text's first ``eval_sequences`` rows (data.pack_held_out), or None.
+    rows (all of them for 0), or the training text's first ``eval_sequences`` rows (packing.pack_held_out), or None.
     Both are read a piece at a time (mha2mla.io.pieces); the first block is read now, so a corpus too short for one
     row, or a first file that cannot be read, is refused before the run starts."""
     names = [name for source in config.data for name in units(source)]

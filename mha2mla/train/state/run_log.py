@@ -1,5 +1,5 @@
 """A recovery run's record: the run folder's settings and metrics log (``train_log.jsonl``) and the recovery report.
-Each function takes the values it writes; the loop (run.py) holds the trainer state."""
+Each function takes the values it writes; the loop (loop.py) holds the trainer state."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ The documents are a pure function of the cached texts and the seed: each text is
 name), and the texts take turns, one document each, in GENERAL_TEXTS order, a text leaving the rotation once it runs
 out; so a run's first rows hold every domain alike, whatever its token budget. ``general_data_path`` writes them once
 per seed as ``{"text": ...}`` lines beside the texts (through a temporary name) and ``prepare_rows`` reads that file
-as it reads any ``--data``. ``mixed_documents`` interleaves teacher-generated documents with them the same way, for
-the "generated + real" arm of the measurement.
+as it reads any ``--data``.
 """
 
 from __future__ import annotations
@@ -48,29 +47,6 @@ def general_documents(texts: dict[str, str], seed: int) -> list[str]:
         random.Random(text_seed(seed, name)).shuffle(documents)
         groups.append(documents)
     return take_turns(groups)
-
-
-def mixed_documents(generated: Sequence[str], real: Sequence[str]) -> list[str]:
-    """Teacher-generated and real documents taking turns, one each, generated first: the mix of both sources."""
-    return take_turns([generated, real])
-
-
-def generated_documents(rows, tokenizer) -> list[str]:
-    """Teacher-generated rows (``PackedSequences`` of ``mha2mla.train.generated``) as text documents: each row
-    decoded without its start token and cut at every EOS the teacher sampled; empty pieces dropped."""
-    eos = tokenizer.eos_token_id
-    documents = []
-    for row in rows.input_ids.tolist():
-        piece: list[int] = []
-        for token in [*row[1:], eos]:
-            if token == eos:
-                text = tokenizer.decode(piece)
-                if text.strip():
-                    documents.append(text)
-                piece = []
-            else:
-                piece.append(token)
-    return documents
 
 
 def write_documents(target: Path, documents: Sequence[str]) -> Path:

@@ -15,14 +15,12 @@ ones, so a killed run picks up where it stopped and a second run reuses the text
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import json
 import logging
 import os
 import time
-from itertools import chain
 from pathlib import Path
 
 import torch
@@ -32,12 +30,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from mha2mla import UserError
-from mha2mla.io.cache import cache_dir
-from mha2mla.io.documents import iter_documents
 from mha2mla.io.output import write_errors
-from mha2mla.train.data import MemoryRows, PackedSequences, pack_documents
-from mha2mla.train.healing_data import default_data
-from mha2mla.train.stream import prepare_stream
+from mha2mla.train.data.packing import PackedSequences
 
 log = logging.getLogger(__name__)
 
@@ -192,39 +186,3 @@ def generated_rows(teacher, tokenizer, *, rows: int, seq_len: int, seed: int, ca
     input_ids = torch.cat([chunk["input_ids"] for chunk in chunks])[:rows]
     position_ids = torch.cat([chunk["position_ids"] for chunk in chunks])[:rows]
     return PackedSequences(input_ids, position_ids, int((position_ids == 0).sum()), 0)
-
-
-def generated_data(config, tokenizer, rows_needed: int, teacher, accelerator=None, show_progress: bool = True):
-    """A run's training and held-out rows when it has no ``data``: ``rows_needed`` rows of teacher-generated text,
-    and the held-out rows of ``eval_data``, or else the first ``eval_sequences`` rows of the generated text (held
-    out, as the first rows of real data are). The main process generates on the run's device; the others wait
-    for it, then read the cache."""
-    held = 0 if config.eval_data else config.eval_sequences
-    main = accelerator is None or accelerator.is_main_process
-    if accelerator is not None:
-        teacher.to(accelerator.device)  # where it will distil too (RecoveryRun.setup_training)
-    with accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext():
-        packed = generated_rows(
-            teacher, tokenizer, rows=rows_needed + held, seq_len=config.seq_len, seed=config.seed,
-            cache_folder=cache_dir() / "generated_text", temperature=config.generated_temperature,
-            top_p=config.generated_top_p, show_progress=show_progress and main, teacher_path=config.teacher)
-    evaluation = chain.from_iterable(iter_documents(source, config.text_field) for source in config.eval_data or [])
-    if config.eval_data:
-        return MemoryRows(packed, config.seed), pack_documents(
-            tokenizer, evaluation, config.seq_len, config.eval_sequences or None, "evaluation data", config.eval_data)
-    if held == 0:
-        return MemoryRows(packed, config.seed), None
-    held_out, train = packed.split(held)
-    return MemoryRows(train, config.seed), held_out
-
-
-def prepare_rows(config, tokenizer, rows_needed: int, teacher=None, accelerator=None, show_progress: bool = True):
-    """The training rows of a run (``rows_at(starts, size)``, ``state_dict()``, ``load_state_dict(state)``: see
-    data.MemoryRows) and its held-out rows (PackedSequences or None): with no ``data`` and ``default_data``
-    generated, text the teacher writes; else streamed (stream.prepare_stream) from ``data`` or, without it, from the
-    default healing text of general domains (healing_data.default_data; docs/recover.md, "No dataset")."""
-    if not config.data and config.default_data == "generated":
-        return generated_data(config, tokenizer, rows_needed, teacher, accelerator, show_progress)
-    if not config.data:
-        config = config.model_copy(update={"data": default_data(config)})
-    return prepare_stream(config, tokenizer, rows_needed)
