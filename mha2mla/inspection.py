@@ -13,7 +13,7 @@ from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.plan.resolve import make_plan
 from mha2mla.convert.plan.shape import DTYPES, SourceShape
 from mha2mla.families import family_for_config
-from mha2mla.io.model_folder import read_config
+from mha2mla.io.model_folder import is_gguf_name, read_config
 from mha2mla.io.source import check_source, gguf_config, resolve_source
 
 BUDGETS = (0.5, 0.3125, 0.25, 0.1875, 0.125, 0.0625)
@@ -108,7 +108,7 @@ def inspect_model(model: str) -> dict:
         return _mla_info(config)
     family = family_for_config(config)
     shape = SourceShape.from_config(config, family)
-    source_format = "gguf" if str(model).lower().endswith(".gguf") else "safetensors"
+    source_format = "gguf" if is_gguf_name(model) else "safetensors"
     budgets, dtype = _budgets(config, family, source_format)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {"rope_theta": shape.rope_theta}
     return {

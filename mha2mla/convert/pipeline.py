@@ -41,7 +41,15 @@ from mha2mla.convert.steps.records import LayerStatistics, LayerWork
 from mha2mla.devices import check_device
 from mha2mla.families import family_for_config
 from mha2mla.io.card import write_model_card
-from mha2mla.io.model_folder import ConversionReport, write_conversion_report
+from mha2mla.io.model_folder import (
+    ABSORBED_FILE,
+    CONFIG_FILE,
+    GENERATION_CONFIG,
+    TOKENIZER_FILES,
+    ConversionReport,
+    is_gguf_name,
+    write_conversion_report,
+)
 from mha2mla.io.output import check_destination, check_replaceable, staged_output
 from mha2mla.io.source import open_source
 from mha2mla.io.writer import ShardedWriter
@@ -49,10 +57,6 @@ from mha2mla.modeling.absorbed import write_absorbed
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-)
 
 @dataclass
 class ConversionResult:
@@ -106,7 +110,7 @@ def convert(
     ckpt = open_source(source)
     family = family_for_config(ckpt.config)
     plan = make_plan(ckpt.config, family, options,
-                     source_format="gguf" if str(source).lower().endswith(".gguf") else "safetensors")
+                     source_format="gguf" if is_gguf_name(source) else "safetensors")
     if dry_run or out is None:
         return ConversionResult(out=None, plan=plan, report=None)
     reader = SourceReader(ckpt, family, plan)
@@ -190,7 +194,7 @@ def _write_checkpoint(reader: SourceReader, folder: Path, stream: CalibrationStr
 def _write_metadata(ckpt, plan: ConversionPlan, folder: Path, kv_b_weights: dict) -> None:
     """config.json, generation config, tokenizer, absorbed weights; then the portable check."""
     config = deepseek_config(plan, ckpt.config)
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_generation_config(ckpt.folder, folder, ckpt.config)
     for name in TOKENIZER_FILES:
         if (ckpt.folder / name).exists():
@@ -204,17 +208,17 @@ def _write_metadata(ckpt, plan: ConversionPlan, folder: Path, kv_b_weights: dict
 
 def _written_names(folder: Path):
     for shard in sorted(folder.glob("*.safetensors")):
-        if shard.name == "absorbed.safetensors":
+        if shard.name == ABSORBED_FILE:
             continue
         with safe_open(str(shard), framework="pt") as handle:
             yield from handle.keys()
 
 
 def _write_generation_config(source_folder: Path, folder: Path, source_config: dict) -> None:
-    source = source_folder / "generation_config.json"
+    source = source_folder / GENERATION_CONFIG
     if source.exists():
-        shutil.copy2(source, folder / "generation_config.json")
+        shutil.copy2(source, folder / GENERATION_CONFIG)
         return
     data = {key: source_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if source_config.get(key) is not None}
-    (folder / "generation_config.json").write_text(json.dumps(data, indent=2) + "\n")
+    (folder / GENERATION_CONFIG).write_text(json.dumps(data, indent=2) + "\n")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from mha2mla import UserError
 from mha2mla.evaluation.plots import plot_conversion_error, plot_perplexity_vs_kv, plot_tasks
 from mha2mla.evaluation.table import comparison_rows, markdown_table
-from mha2mla.io.model_folder import CONFIG_FILE, is_model_folder
+from mha2mla.io.model_folder import holds_checkpoint, is_model_folder
 from mha2mla.io.output import remove_made, remove_stale, staging_for, user_path
 from mha2mla.io.output_file import check_results_folder
 from mha2mla.io.written import file_hash
@@ -49,7 +49,7 @@ def _model_folder_above(target: Path) -> Path | None:
     """The nearest folder above ``target`` that holds a model: a config.json or safetensors weights (a folder that
     merely holds a .gguf file, where people run eval on it, is not one)."""
     for folder in target.parents:
-        if (folder / CONFIG_FILE).is_file() or any(folder.glob("*.safetensors")):
+        if holds_checkpoint(folder):
             return folder
     return None
 

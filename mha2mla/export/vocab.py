@@ -18,6 +18,7 @@ from sentencepiece import SentencePieceProcessor
 from transformers import AutoTokenizer
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import SENTENCEPIECE_MODEL, TOKENIZER_JSON
 
 # The split regexes of the byte-level BPE tokenizers of the supported families, as their tokenizer.json
 # files spell them, and the llama.cpp pre-tokenizer name that applies the same split (docs/engines.md).
@@ -106,12 +107,12 @@ def read_vocab(folder: Path, vocab_size: int, pre: str | None = None) -> Vocab:
 
 
 def _read_vocab(folder: Path, vocab_size: int, pre: str | None) -> Vocab:
-    tokenizer_json = folder / "tokenizer.json"
+    tokenizer_json = folder / TOKENIZER_JSON
     data = json.loads(tokenizer_json.read_text(encoding="utf-8")) if tokenizer_json.exists() else None
     if data is not None and data.get("model", {}).get("type") == "BPE" and _has_byte_level(data.get("pre_tokenizer")):
         return _bpe_vocab(data, vocab_size, pre or detect_pre_tokenizer(data.get("pre_tokenizer"), folder))
-    if (folder / "tokenizer.model").exists():
-        return _sentencepiece_vocab(folder / "tokenizer.model", data, vocab_size)
+    if (folder / SENTENCEPIECE_MODEL).exists():
+        return _sentencepiece_vocab(folder / SENTENCEPIECE_MODEL, data, vocab_size)
     raise UserError(f"{folder} has neither a byte-level BPE tokenizer.json nor a SentencePiece tokenizer.model; "
                     "copy the source model's tokenizer files into it.")
 

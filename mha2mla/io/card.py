@@ -15,7 +15,7 @@ import yaml
 from huggingface_hub import try_to_load_from_cache
 
 from mha2mla.io.cache import DEFAULT_MODEL_FILE, DEFAULT_MODEL_REPO
-from mha2mla.io.model_folder import ConversionReport
+from mha2mla.io.model_folder import CARD_FILE, ConversionReport
 
 HUB_URL = re.compile(r"^https?://(?:huggingface\.co|hf\.co)/(?P<repo>[\w.-]+/[\w.-]+)")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -54,7 +54,7 @@ def _gguf_metadata(path: Path) -> dict:
 
 
 def _folder_metadata(folder: Path) -> dict:
-    header = _front_matter(folder / "README.md")
+    header = _front_matter(folder / CARD_FILE)
     hub = re.search(r"models--([\w.-]+)--([\w.-]+)/snapshots/", str(folder.resolve()) + "/")
     return {"license": header.get("license"), "base_model": f"{hub[1]}/{hub[2]}" if hub else None}
 
@@ -71,7 +71,7 @@ def source_metadata(source: str) -> dict:
             name = GGUF_QUANT.sub("", GGUF_CACHE_KEY.sub("", name))
         return {"name": name, "file": name, **_folder_metadata(path)}
     if HUB_ID.match(str(source)):
-        cached = try_to_load_from_cache(str(source), "README.md")
+        cached = try_to_load_from_cache(str(source), CARD_FILE)
         license_ = _front_matter(Path(cached) if isinstance(cached, str) else None).get("license")
         return {"name": str(source).split("/")[1], "file": str(source), "base_model": str(source), "license": license_}
     return {"name": Path(str(source)).name or "model", "file": str(source), "base_model": None, "license": None}
@@ -140,7 +140,7 @@ def write_model_card(folder: str | Path, report: ConversionReport, extra_section
 
 def write_recovery_card(folder: Path, source_folder: Path, settings: dict, report: dict) -> None:
     """``folder``'s card: the input's model card (if any) with a section on this recovery run appended."""
-    source_card = Path(source_folder) / "README.md"
+    source_card = Path(source_folder) / CARD_FILE
     default_card = "---\nlibrary_name: transformers\ntags: [mha2mla, mla, deepseek_v3]\n---\n\n# MLA model recovered with mha2mla\n\n"
     card = source_card.read_text(encoding="utf-8").rstrip() + "\n\n" if source_card.is_file() else default_card
     evaluations = report.get("evaluations") or []

@@ -16,13 +16,24 @@ from pathlib import Path
 from mha2mla import UserError
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ABSORBED_FILE = "absorbed.safetensors"  # the absorbed inference weights beside a converted checkpoint
+ABSORBED_INDEX = "absorbed.json"  # what the absorbed weights were computed from (mha2mla/modeling/absorbed.py)
 CONVERSION_REPORT = "conversion_report.json"  # written by `convert`; marks a converted folder
 RECOVERY_REPORT = "recovery_report.json"  # written by `recover`'s export
 RECOVER_CONFIG = "recover_config.json"  # the settings of a recover run folder
 CARD_FILE = "README.md"
+MANIFEST = ".mha2mla_files"  # the names mha2mla wrote into an output folder (mha2mla/io/written.py)
+TOKENIZER_JSON = "tokenizer.json"
+SENTENCEPIECE_MODEL = "tokenizer.model"
+# the tokenizer's files, copied from the source folder into a converted one
+TOKENIZER_FILES = (
+    TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json", SENTENCEPIECE_MODEL, "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+GGUF_SUFFIX = ".gguf"
 
 # safetensors caps its JSON header at 100 MB; a larger length field is garbage, not a header
 _MAX_HEADER = 100 * 1024 * 1024
@@ -33,14 +44,19 @@ def looks_like_hub_id(text: str) -> bool:
     return text.count("/") == 1 and not text.startswith((".", "/", "~"))
 
 
+def is_gguf_name(path: str | Path) -> bool:
+    """True when ``path`` is named like a GGUF model file (``.gguf``, any case)."""
+    return str(path).lower().endswith(GGUF_SUFFIX)
+
+
 def source_kind(spec: str | Path) -> str:
     """``"folder"``, ``"gguf"`` or ``"hub"`` for a model argument; one sentence for anything else."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return "folder"
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise UserError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id.")
+        if not is_gguf_name(path):
+            raise UserError(f"{path} is a file but not a {GGUF_SUFFIX}; pass a model folder, a .gguf file or a hub id.")
         return "gguf"
     if path.exists():  # a device, a pipe or a socket
         raise UserError(f"{path} is not a regular file or folder (a device, a pipe or a socket); pass a model folder, "
@@ -217,7 +233,12 @@ def read_conversion_report(folder: str | Path) -> ConversionReport | None:
     return ConversionReport.from_dict(data)
 
 
-def is_model_folder(folder: str | Path) -> bool:
-    """A folder holding a model: a config.json or weights (where results or notes must not be written)."""
+def holds_checkpoint(folder: str | Path) -> bool:
+    """A folder holding a Hugging Face checkpoint: a config.json or safetensors weights."""
     folder = Path(folder)
-    return (folder / CONFIG_FILE).is_file() or any(folder.glob("*.safetensors")) or any(folder.glob("*.gguf"))
+    return (folder / CONFIG_FILE).is_file() or any(folder.glob("*.safetensors"))
+
+
+def is_model_folder(folder: str | Path) -> bool:
+    """A folder holding a model: a checkpoint or a .gguf file (where results or notes must not be written)."""
+    return holds_checkpoint(folder) or any(Path(folder).glob(f"*{GGUF_SUFFIX}"))

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import CARD_FILE
 from mha2mla.io.staging import NAME_MAX, discard_aside, move_aside, put_back, remove_stale, staging_path
 from mha2mla.io.written import (
     MANIFEST,
@@ -165,7 +166,7 @@ def check_replaceable(out: str | Path, force: bool, *, name: str = "OUT", carry:
                         f"({_listing(foreign)}); move them out or choose another {name}: nothing of yours is ever replaced.")
     changed = changed_entries(out)
     if changed:
-        what = ("the model card mha2mla wrote (README.md), edited since" if changed == ["README.md"] else
+        what = ("the model card mha2mla wrote (README.md), edited since" if changed == [CARD_FILE] else
                 f"files changed since mha2mla wrote them ({_listing(changed)})")
         them = "it" if len(changed) == 1 else "them"
         raise UserError(f"{name} {shown} holds {what}; move {them} away or delete {them} by hand, or choose another "

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-INDEX_FILE = "model.safetensors.index.json"
+from mha2mla.io.model_folder import INDEX_FILE, SINGLE_FILE
+
 SPOOL_FILE = ".tensors.spool"
 
 _DTYPE_NAMES = {
@@ -107,7 +108,7 @@ class ShardedWriter:
         self._spool.close()
         shards = [entries for entries in self._shards if entries]
         count = len(shards)
-        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         weight_map = {}
         with open(self.folder / SPOOL_FILE, "rb") as spool:
             for entries, filename in zip(shards, names):

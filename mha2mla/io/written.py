@@ -16,14 +16,13 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVER_CONFIG, RECOVERY_REPORT
+from mha2mla.io.model_folder import CONVERSION_REPORT, MANIFEST, RECOVER_CONFIG, RECOVERY_REPORT
 from mha2mla.io.staging import staging_path
 
 # A folder holding one of these was written by mha2mla (convert, recover's export, a recover run folder).
 MARKERS = (CONVERSION_REPORT, RECOVERY_REPORT, RECOVER_CONFIG)
 
 # The top-level names mha2mla wrote into an output folder, one per line (``NAME`` or ``NAME<TAB>SHA256``).
-MANIFEST = ".mha2mla_files"
 HASHED_BYTES = 1024**2  # files up to this size are listed with their hash (cards, configs, reports)
 _CHECKPOINT = re.compile(r"^step-\d{6,}$")  # a recover run's checkpoint folder (mha2mla/train/checkpoint.py)
 

@@ -27,9 +27,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import ABSORBED_FILE, ABSORBED_INDEX
 
-ABSORBED_WEIGHTS = "absorbed.safetensors"
-ABSORBED_INDEX = "absorbed.json"
 FORMAT_NAME = "mha2mla-absorbed"
 FORMAT_VERSION = 1
 
@@ -64,7 +63,7 @@ def absorbed_tensors(state_dict_or_getter, config) -> dict[str, torch.Tensor]:
 def write_absorbed(folder: str | Path, state_dict_or_getter, config) -> None:
     folder = Path(folder)
     tensors = absorbed_tensors(state_dict_or_getter, config)
-    save_file(tensors, str(folder / ABSORBED_WEIGHTS), metadata={"format": FORMAT_NAME})
+    save_file(tensors, str(folder / ABSORBED_FILE), metadata={"format": FORMAT_NAME})
     any_tensor = next(iter(tensors.values()))
     index = {
         "format": FORMAT_NAME,
@@ -123,15 +122,15 @@ def load_absorbed(folder: str | Path, device: str | torch.device = "cpu") -> tup
     """Read ``absorbed.json`` and ``absorbed.safetensors`` from a converted model folder: the index checked, and a
     ``w_uk`` and ``w_uv`` for each of its layers."""
     folder = Path(folder)
-    if not (folder / ABSORBED_INDEX).exists() or not (folder / ABSORBED_WEIGHTS).exists():
-        raise UserError(f"{folder} has no absorbed weights ({ABSORBED_WEIGHTS}); convert it with `mha2mla convert`.")
+    if not (folder / ABSORBED_INDEX).exists() or not (folder / ABSORBED_FILE).exists():
+        raise UserError(f"{folder} has no absorbed weights ({ABSORBED_FILE}); convert it with `mha2mla convert`.")
     index = read_absorbed_index(folder / ABSORBED_INDEX)
     try:
-        tensors = load_file(str(folder / ABSORBED_WEIGHTS), device=str(device))
+        tensors = load_file(str(folder / ABSORBED_FILE), device=str(device))
     except SafetensorError as error:
-        raise _damaged(folder / ABSORBED_WEIGHTS, " ".join(str(error).split())) from None
+        raise _damaged(folder / ABSORBED_FILE, " ".join(str(error).split())) from None
     for layer in range(index["num_hidden_layers"]):
         missing = [f"layers.{layer}.{name}" for name in ("w_uk", "w_uv") if f"layers.{layer}.{name}" not in tensors]
         if missing:
-            raise _damaged(folder / ABSORBED_WEIGHTS, f"it lacks {missing[0]}")
+            raise _damaged(folder / ABSORBED_FILE, f"it lacks {missing[0]}")
     return index, tensors

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from mha2mla import UserError
 from mha2mla.compute import MAX_SEED, resolve_compute_dtype, torch_dtype
 from mha2mla.devices import resolve_device
+from mha2mla.io.model_folder import GENERATION_CONFIG
 from mha2mla.modeling.generate_config import utf8_problem
 from mha2mla.modeling.model import MLAModel
 
@@ -94,7 +95,7 @@ def eos_token_ids(folder: Path, config, tokenizer) -> list[int]:
         ids.update([value] if isinstance(value, int) else value)
 
     add(config.eos_token_id)
-    generation_config = folder / "generation_config.json"
+    generation_config = folder / GENERATION_CONFIG
     if generation_config.exists():
         add(json.loads(generation_config.read_text()).get("eos_token_id"))
     if tokenizer is not None:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
 SERVING_ROPE_TYPES = {"default", "yarn", "deepseek_yarn"}
 ATTENTION_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
@@ -52,14 +53,14 @@ def portable_violations(config: dict, tensor_names: list[str]) -> list[str]:
 
 def check_portable_folder(folder: str | Path) -> list[str]:
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    index = folder / "model.safetensors.index.json"
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    index = folder / INDEX_FILE
     if index.exists():
         names = list(json.loads(index.read_text())["weight_map"])
     else:
         from safetensors import safe_open
 
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        with safe_open(str(folder / SINGLE_FILE), framework="pt") as handle:
             names = list(handle.keys())
     return portable_violations(config, names)
 

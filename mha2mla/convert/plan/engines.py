@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import INDEX_FILE
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,8 @@ def engine_violations(name: str, config: dict, files: list[str]) -> list[str]:
                         f"{list(rules.head_shapes)}, not {head}")
     problems += [f"{rules.label} reads `{key}` from the config, which lacks it" for key in rules.config_keys if key not in config]
     stray = [f for f in files if f.endswith(".safetensors") and "/" not in f and f.startswith("absorbed")]
-    if rules.needs_index and "model.safetensors.index.json" not in files and stray:
-        problems.append(f"without model.safetensors.index.json {rules.label} would load {stray[0]} as model weights")
+    if rules.needs_index and INDEX_FILE not in files and stray:
+        problems.append(f"without {INDEX_FILE} {rules.label} would load {stray[0]} as model weights")
     return problems
 
 
