@@ -15,9 +15,9 @@ from pathlib import Path
 
 import gguf
 from sentencepiece import SentencePieceProcessor
-from transformers import AutoTokenizer
 
 from mha2mla import UserError
+from mha2mla.io.loader import load_tokenizer
 from mha2mla.io.model_folder import SENTENCEPIECE_MODEL, TOKENIZER_JSON
 
 # The split regexes of the byte-level BPE tokenizers of the supported families, as their tokenizer.json
@@ -98,11 +98,7 @@ def read_vocab(folder: Path, vocab_size: int, pre: str | None = None) -> Vocab:
     """The tokenizer of the converted ``folder``: byte-level BPE from tokenizer.json, else SentencePiece from
     tokenizer.model. ``pre`` overrides the detected BPE pre-tokenizer name."""
     vocab = _read_vocab(folder, vocab_size, pre)
-    try:
-        vocab.hf_tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        raise UserError(f"transformers cannot load the tokenizer in {folder} ({error}); copy the source model's "
-                        "tokenizer files into it.") from error
+    vocab.hf_tokenizer = load_tokenizer(folder, hint="copy the source model's tokenizer files into it")
     return vocab
 
 

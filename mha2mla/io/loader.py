@@ -90,9 +90,10 @@ def load_causal_lm(spec: str | Path, dtype: str | torch.dtype | None = "auto", a
         raise UserError(f"could not load the weights in {path} ({_first_line(error)}).") from None
 
 
-def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
+def load_tokenizer(spec: str | Path, *, hint: str = "pass the folder of a model with its tokenizer files",
+                   trust_remote_code: bool = False):
     """The tokenizer of ``spec`` (a model folder, a ``.gguf`` file or a hub id); one that does not load is one
-    sentence."""
+    sentence ending in ``hint``."""
     from transformers import AutoTokenizer
 
     kind, path = model_path(spec)
@@ -101,4 +102,4 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as error:
-        raise UserError(f"cannot load a tokenizer from {path} ({_first_line(error)}).") from None
+        raise UserError(f"cannot load a tokenizer from {path} ({_first_line(error)}); {hint}.") from None

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from mha2mla import UserError
 from mha2mla.compute import MAX_SEED, resolve_compute_dtype, torch_dtype
 from mha2mla.devices import resolve_device
+from mha2mla.io import loader
 from mha2mla.io.model_folder import GENERATION_CONFIG
 from mha2mla.modeling.generate_config import utf8_problem
 from mha2mla.modeling.model import MLAModel
@@ -147,8 +147,8 @@ class MLAEngine:
         tokenizer = None
         if load_tokenizer:
             try:
-                tokenizer = AutoTokenizer.from_pretrained(folder)
-            except (OSError, ValueError):  # a folder without tokenizer files: token ids only
+                tokenizer = loader.load_tokenizer(folder)
+            except UserError:  # a folder without tokenizer files: token ids only
                 tokenizer = None
         return cls(model, tokenizer, eos_token_ids(folder, model.config, tokenizer))
 
