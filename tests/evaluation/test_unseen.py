@@ -1,4 +1,4 @@
-"""The unseen-domain yardstick: cleaning of the fetched texts, the continuation items, the tasks lm-eval runs
+"""The unseen-domain yardstick: the continuation items, the tasks lm-eval runs
 offline on a tiny random model, and the in-domain / unseen labels of the report.
 
 Synthetic texts stand in for the fetched ones in a temporary MHA2MLA_CACHE, so nothing is fetched.
@@ -37,27 +37,6 @@ def unseen_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
     return tmp_path
-
-
-# ---------------------------------------------------------------- cleaning the fetched texts
-
-
-def test_plain_text_expands_tabs_and_cuts_blank_runs():
-    from mha2mla.io.assets import plain_text
-
-    assert plain_text("\n\nFirst\tline   \n\n\n\n\tsecond\n\n") == "First   line\n\n        second\n"
-
-
-def test_fortune_entries_are_interleaved_by_position():
-    from mha2mla.io.assets import fortune_entries, fortunes_text
-
-    short = "A1 line\n\t\t-- someone\n%\nA2\n%\n"
-    long = "B1\n%\nB2 one\n\nB2 two\n%\nB3\n%\nB4\n"
-    assert fortune_entries(short) == ["A1 line\n                -- someone\n", "A2\n"]
-    assert fortune_entries(long)[1] == "B2 one\n\nB2 two\n"  # a blank line inside an entry stays
-    # positions: A1 0, A2 1/2; B1 0, B2 1/4, B3 1/2, B4 3/4 -> ties go to the earlier file
-    assert fortunes_text([short, long]).split("\n\n") == [
-        "A1 line\n                -- someone", "B1", "B2 one", "B2 two", "A2", "B3", "B4\n"]
 
 
 # ---------------------------------------------------------------- the continuation items

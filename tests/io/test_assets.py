@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mha2mla import UserError
-from mha2mla.io.assets import HEALING_FILES, healing_documents, healing_text_path
+from mha2mla.io.assets import HEALING_FILES, general_text_path, healing_documents, healing_text_path
 
 
 def _write_texts(cache, lines: dict[str, int]) -> dict[str, str]:
@@ -39,3 +39,9 @@ def test_a_missing_text_is_one_sentence_with_the_fetch_hint_and_nothing_written(
     with pytest.raises(UserError, match=r"Python 3\.11 documentation text is not in .*make assets"):
         healing_text_path()
     assert sorted(p.name for p in (tmp_path / "text").iterdir()) == ["kjv.txt"]
+
+
+def test_an_unknown_general_text_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path))
+    with pytest.raises(UserError, match="choose one of"):
+        general_text_path("fortunes")
