@@ -35,9 +35,11 @@ import yaml
 
 from mha2mla import UserError
 from mha2mla.evaluation.continuation_items import continuation_items
-from mha2mla.evaluation.mmlu_items import MMLU_DEV_FILE
 from mha2mla.io.assets import HEALING_TEXTS
 from mha2mla.io.cache import CACHED_TEXTS, cache_dir, cached_held_out_text, held_out_text_path
+
+# the MMLU dev items shipped with the package (rebuilt from lm-eval's copy by scripts/mmlu_items.py)
+MMLU_DEV_FILE = Path(__file__).resolve().parent.parent / "data" / "tasks" / "mmlu_dev.jsonl"
 
 log = logging.getLogger(__name__)
 

@@ -1,22 +1,24 @@
-"""Build the bundled MMLU dev items from the copy that lm-evaluation-harness ships.
+"""Rebuild mha2mla/data/tasks/mmlu_dev.jsonl, the bundled MMLU dev items, from the copy that lm-evaluation-harness
+ships: ``python scripts/mmlu_items.py`` writes it, ``python scripts/mmlu_items.py --check`` only says whether the
+shipped file equals what lm-eval's copy gives (exit 1 when not).
 
 lm-eval carries the five MMLU *dev* questions of each of the 57 subjects as few-shot examples of its
 ``mmlu_flan_cot_fewshot`` tasks (``lm_eval/tasks/mmlu/flan_cot_fewshot/mmlu_<subject>.yaml``). We keep the
 question, the four choices and the answer letter (MMLU is MIT-licensed, Hendrycks et al. 2021) and drop
-the chain-of-thought rationales. The result is committed as ``mha2mla/data/tasks/mmlu_dev.jsonl``;
-regenerate it with ``python -m mha2mla.evaluation.mmlu_items``.
+the chain-of-thought rationales. This is an entry point: nothing imports it; ``mha2mla eval`` reads the file.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import yaml
 
-BUNDLED_TASK_DATA = Path(__file__).resolve().parent.parent / "data" / "tasks"
-MMLU_DEV_FILE = BUNDLED_TASK_DATA / "mmlu_dev.jsonl"
+MMLU_DEV_FILE = Path(__file__).resolve().parent.parent / "mha2mla" / "data" / "tasks" / "mmlu_dev.jsonl"
 
 # "<question>\n(A) <a> (B) <b> (C) <c> (D) <d>", choices split by a space or a newline;
 # the question is greedy so an "(A)" inside it stays in the question.
@@ -61,14 +63,24 @@ def extract_mmlu_dev_items(lm_eval_tasks_dir: Path | None = None) -> tuple[list[
     return items, skipped
 
 
-def write_mmlu_dev_items(path: Path = MMLU_DEV_FILE) -> tuple[int, int]:
+def item_lines(items: list[dict]) -> str:
+    """The items as the shipped file holds them: one JSON object per line."""
+    return "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare with the shipped file instead of writing it")
+    args = parser.parse_args(argv)
     items, skipped = extract_mmlu_dev_items()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as out:
-        out.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
-    return len(items), skipped
+    if args.check:
+        same = MMLU_DEV_FILE.read_text(encoding="utf-8") == item_lines(items)
+        print(f"{MMLU_DEV_FILE} {'matches' if same else 'differs from'} lm-eval's {len(items)} items")
+        return 0 if same else 1
+    MMLU_DEV_FILE.write_text(item_lines(items), encoding="utf-8")
+    print(f"wrote {len(items)} items to {MMLU_DEV_FILE} ({skipped} samples skipped)")
+    return 0
 
 
 if __name__ == "__main__":
-    written, skipped = write_mmlu_dev_items()
-    print(f"wrote {written} items to {MMLU_DEV_FILE} ({skipped} samples skipped)")
+    sys.exit(main())
