@@ -277,16 +277,6 @@ def svd_latent(work: LayerWork) -> None:
     work.latent = _per_head(factors, G, work.plan.shape.num_heads)
 
 
-@register("lowrank", "pca", needs_statistics=True)
-def pca_latent(work: LayerWork) -> None:
-    """Activation PCA of the stacked [K_nope; V] outputs (a benchmark baseline)."""
-    key_nope, value = _rows(work)
-    G, d, D = value.shape
-    cov = require(work.stats.input_covariance, "input covariance", "pca low rank").to(torch.float64)
-    factors = joint_low_rank(key_nope.reshape(G * d, D), value.reshape(G * d, D), work.plan.latent_rank, cov)
-    work.latent = _per_head(factors, G, work.plan.shape.num_heads)
-
-
 @register("lowrank", "attention", needs_statistics=True)
 def attention_latent(work: LayerWork) -> None:
     """The latent refined to what attention reads, per-query-head up-projections (docs/calibration.md)."""
