@@ -17,8 +17,6 @@ from mha2mla.compute import MAX_SEED
 MLA_LORA_TARGETS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 SOURCE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the same budget on an MHA/GQA model
 TRAINABLE_NORMS = ("kv_a_layernorm",)
-# the settings of the retired ``mixed_precision`` key as compute dtypes: a run saved with it resumes (resume.py)
-LEGACY_MIXED_PRECISION = {"auto": "auto", "no": "float32", "bf16": "bfloat16"}
 
 
 DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*$")

@@ -1,29 +1,23 @@
 """``RecoveryRun``: the model being trained and what trains it, in the shape of a torchtune recipe (docs/recover.md):
 ``setup_training`` (AdamW over the trainable parameters, the learning-rate schedule, a resumed checkpoint's
 optimizer and RNG state, everything placed by accelerate), ``train_step`` (the one optimizer step: forward, LM loss
-mixed with distillation, backward, clip, AdamW, scheduler), ``train`` (the loop: steps, held-out perplexity, the
-metrics log, checkpoints, the time budget) and ``export`` (the merged model written to OUT). trainer.py builds it
-from what the run loaded; benchmarks/recover_speed.py times ``train_step`` on any model made ready by
-``setup_training``.
+mixed with distillation, backward, clip, AdamW, scheduler), ``train`` (the loop, top to bottom: an evaluation before
+the first step, then each step with the evaluation and checkpoint due after it until the last step or the time
+budget, then the last evaluation) and ``export`` (the merged model written to OUT). trainer.py builds it from what
+the run loaded; benchmarks/recover_speed.py times ``train_step`` on any model made ready by ``setup_training``.
 
 One process (CPU or GPU) or several through ``accelerate launch`` / ``torchrun`` (DDP or FSDP2: devices.py,
-distributed.py). Data is sharded by hand (under FSDP as under DDP): optimizer step ``s`` reads global rows
+state/gather.py). Data is sharded by hand (under FSDP as under DDP): optimizer step ``s`` reads global rows
 ``[s*R, (s+1)*R)`` of the training rows' seeded order (R = accumulation x processes x batch), micro-batch ``m`` of
 process ``p`` taking rows ``(m*P + p)*B ..`` (``rows_at``); the data position is the rows consumed, with the rows'
-own ``state_dict()`` in every checkpoint, so a resumed run reads exactly the rows it would have read.
-
-The time budget (``--max-time 80m``, ``TimeBudget``): the loop stops before a step that would end past it, and the
-run ends as any run does (the last evaluation, the model written). It counts the loop's wall time (steps,
-evaluations, checkpoints) summed over resumptions (``wall_seconds`` in the trainer state); the final evaluation and
-the export come after it. The setting's forms are read by config.duration_seconds."""
+own ``state_dict()`` in every checkpoint, so a resumed run reads exactly the rows it would have read. The time
+budget and the learning-rate schedule: schedule.py."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from pathlib import Path
-from time import monotonic
 
 import torch
 from tqdm.auto import tqdm
@@ -34,62 +28,10 @@ from mha2mla.train.devices import Devices
 from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.head_losses import micro_batch_losses
 from mha2mla.train.model.merge import reloaded_model, write_recovered
-from mha2mla.train.schedule import lr_multiplier
+from mha2mla.train.schedule import TimeBudget, lr_multiplier
 from mha2mla.train.state import checkpoint as ckpt
 from mha2mla.train.state.gather import gathered_state, gathered_trainable, restore_state
 from mha2mla.train.state.run_log import append_log, log_evaluation, recovery_report
-
-log = logging.getLogger(__name__)
-
-
-class TimeBudget:
-    """Checked after every optimizer step: ``spent()`` is True once the next step, as long as the last one, would end
-    past the budget (None: no budget). Every process takes the same decision (the main process's clock counts)."""
-
-    def __init__(self, seconds: float | None, state: dict):
-        self.seconds, self.state = seconds, state
-        self.stopped = False
-        state.setdefault("wall_seconds", 0.0)  # a checkpoint written before budgets existed
-        self._origin = monotonic() - state["wall_seconds"]
-        self._last = monotonic()
-
-    def spent(self, accelerator) -> bool:
-        now = monotonic()
-        self.state["wall_seconds"] = now - self._origin
-        step_seconds, self._last = now - self._last, now
-        if self.seconds is None:
-            return False
-        over = torch.tensor(float(self.state["wall_seconds"] + step_seconds > self.seconds), device=accelerator.device)
-        if accelerator.num_processes > 1:
-            over = accelerator.reduce(over, "max")
-        self.stopped = bool(over.item())
-        if self.stopped and accelerator.is_main_process:
-            log.info("%s", stop_sentence(self.state["step"], self.state["wall_seconds"], self.seconds, step_seconds))
-        return self.stopped
-
-
-def stop_sentence(step: int, spent: float, budget: float, step_seconds: float) -> str:
-    """Why the time budget ends the loop, in a sentence that reads right whether the time spent is under the budget
-    (the next step would pass it) or already over it (a budget shorter than the first evaluation or step)."""
-    where = "before the first step" if step == 0 else f"after step {step}"
-    if spent >= budget:
-        why = f"{seconds_text(spent)} spent, past the {seconds_text(budget)} budget"
-    else:
-        why = (f"{seconds_text(spent)} of the {seconds_text(budget)} budget spent, and one more step (about "
-               f"{seconds_text(step_seconds)}) would end past it")
-    return f"--max-time: stopping {where}: {why}; writing the model"
-
-
-def seconds_text(seconds: float) -> str:
-    """A duration for a log line: whole seconds for long ones, three significant digits for short ones, so that a
-    budget under a second does not read as none."""
-    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.3g} s"
-
-
-def fresh_state() -> dict:
-    """What a checkpoint's ``trainer_state.json`` holds: the step, the data position, and the curves so far."""
-    return {"step": 0, "rows_consumed": 0, "tokens_trained": 0, "train_seconds": 0.0, "losses": [], "evaluations": [],
-            "balanced_latents": True}  # the form the weights train in (model.balance_latent_scales; resume.py checks)
 
 
 class RecoveryRun:
@@ -184,55 +126,67 @@ class RecoveryRun:
 
     def train(self, train_rows, held_out, state: dict, resumed_from: Path | None = None,
               show_progress: bool = True) -> dict:
-        """Steps from ``state`` (fresh_state(), or the checkpoint's at ``resumed_from``) until ``total_steps`` or the
-        time budget, reading ``train_rows`` (``rows_at``; its ``state_dict()`` saved with every checkpoint), logging
-        every step, evaluating on ``held_out`` before the first step, every ``eval_every`` steps and after the last,
-        checkpointing every ``save_every`` steps. Returns the recovery report (log.recovery_report)."""
-        config, accelerator, total, rows = self.config, self.accelerator, self.total_steps, self.rows_per_step
-        if "data" in state:  # the rows' own position, as the checkpoint saved it
+        """Steps from ``state`` (checkpoint.fresh_state(), or the checkpoint's at ``resumed_from``) until
+        ``total_steps`` or the time budget, reading ``train_rows`` (``rows_at``; its ``state_dict()`` saved with every
+        checkpoint), logging every step, evaluating on ``held_out`` before the first step, every ``eval_every`` steps
+        and after the last, checkpointing every ``save_every`` steps. Returns the recovery report."""
+        config, total = self.config, self.total_steps
+        if state["data"] is not None:  # the rows' own position, as the checkpoint saved it
             train_rows.load_state_dict(state["data"])
         budget = TimeBudget(config.max_time_seconds, state)
         progress = tqdm(total=total, initial=state["step"], disable=not (self.is_main and show_progress), unit="step",
                         dynamic_ncols=True, desc="recover")
         self.model.train()
-        first, stepped, ending = True, False, False  # stepped: a step was taken by this process
         with progress:
-            while True:  # one pass: the next step (none on the first), then the evaluation and checkpoint due after it
-                if not first and (state["step"] >= total or budget.spent(accelerator)):
-                    ending = True
-                elif not first:
-                    started = time.perf_counter()
-                    starts = [state["rows_consumed"] + (micro * self.world + self.rank) * config.batch_size
-                              for micro in range(config.grad_accum)]
-                    result = self.train_step(train_rows.rows_at(starts, config.batch_size))
-                    elapsed, tokens = time.perf_counter() - started, rows * config.seq_len
-                    state.update(step=state["step"] + 1, rows_consumed=state["rows_consumed"] + rows,
-                                 tokens_trained=state["tokens_trained"] + tokens,
-                                 train_seconds=state["train_seconds"] + elapsed)
-                    state["losses"].append(result["loss"])
-                    append_log(config.out_path, {"step": state["step"], "tokens": state["tokens_trained"], **result,
-                                                 "tokens_per_second": tokens / elapsed}, self.is_main)
-                    progress.update(1)
-                    perplexity = f" | ppl {state['evaluations'][-1]['perplexity']:.2f}" if state["evaluations"] else ""
-                    progress.set_postfix_str(f"loss {result['loss']:.3f} | {tokens / elapsed:.0f} tok/s{perplexity}")
-                    stepped = True
-                first, step, evaluations = False, state["step"], state["evaluations"]
-                periodic = stepped and step < total
-                if (ending or (step == 0 and not stepped) or (periodic and config.eval_every and step % config.eval_every == 0)) \
-                        and held_out is not None and not (evaluations and evaluations[-1]["step"] == step):
-                    evaluation = {"step": step, "tokens": state["tokens_trained"],
-                                  "perplexity": packed_perplexity(self.model, held_out, config.batch_size, accelerator,
-                                                                  self.devices.sharded)}
-                    evaluations.append(evaluation)
-                    log_evaluation(config.out_path, evaluation, self.is_main)
-                if ending:
-                    report = {**recovery_report(state, self.parameter_counts, self.world, self.compute_dtype, resumed_from),
-                              "stopped_by_max_time": budget.stopped}
-                    if self.devices.device.type == "cuda":  # this process's peak, beside the --dry-run estimate
-                        report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.devices.device) / 1024**3, 3)
-                    return report
-                if periodic and config.save_every and step % config.save_every == 0:  # OUT/checkpoints/step-NNNNNN
+            if state["step"] == 0:
+                self._evaluate(held_out, state)
+            while state["step"] < total and not budget.spent(self.accelerator):
+                line = self._step(train_rows, state)
+                progress.update(1)
+                progress.set_postfix_str(line)
+                step = state["step"]
+                if step < total and config.eval_every and step % config.eval_every == 0:
+                    self._evaluate(held_out, state)
+                if step < total and config.save_every and step % config.save_every == 0:
                     self._save_checkpoint(step, {**state, "data": train_rows.state_dict()})
+            self._evaluate(held_out, state)
+        return self._report(state, budget.stopped, resumed_from)
+
+    def _step(self, train_rows, state: dict) -> str:
+        """One optimizer step on the rows that follow ``state``'s data position: ``state`` moved on, the step's
+        metrics logged; returns the progress bar's line."""
+        config, rows = self.config, self.rows_per_step
+        started = time.perf_counter()
+        starts = [state["rows_consumed"] + (micro * self.world + self.rank) * config.batch_size
+                  for micro in range(config.grad_accum)]
+        result = self.train_step(train_rows.rows_at(starts, config.batch_size))
+        elapsed, tokens = time.perf_counter() - started, rows * config.seq_len
+        state.update(step=state["step"] + 1, rows_consumed=state["rows_consumed"] + rows,
+                     tokens_trained=state["tokens_trained"] + tokens, train_seconds=state["train_seconds"] + elapsed)
+        state["losses"].append(result["loss"])
+        append_log(config.out_path, {"step": state["step"], "tokens": state["tokens_trained"], **result,
+                                     "tokens_per_second": tokens / elapsed}, self.is_main)
+        perplexity = f" | ppl {state['evaluations'][-1]['perplexity']:.2f}" if state["evaluations"] else ""
+        return f"loss {result['loss']:.3f} | {tokens / elapsed:.0f} tok/s{perplexity}"
+
+    def _evaluate(self, held_out, state: dict) -> None:
+        """Held-out perplexity at ``state``'s step, once per step (none without held-out rows)."""
+        evaluations, step = state["evaluations"], state["step"]
+        if held_out is None or (evaluations and evaluations[-1]["step"] == step):
+            return
+        perplexity = packed_perplexity(self.model, held_out, self.config.batch_size, self.accelerator,
+                                       self.devices.sharded)
+        evaluations.append({"step": step, "tokens": state["tokens_trained"], "perplexity": perplexity})
+        log_evaluation(self.config.out_path, evaluations[-1], self.is_main)
+
+    def _report(self, state: dict, stopped_by_max_time: bool, resumed_from: Path | None) -> dict:
+        """The recovery report (run_log.recovery_report), with whether the time budget ended the run and, on a GPU,
+        this process's peak memory beside the --dry-run estimate."""
+        report = {**recovery_report(state, self.parameter_counts, self.world, self.compute_dtype, resumed_from),
+                  "stopped_by_max_time": stopped_by_max_time}
+        if self.devices.device.type == "cuda":
+            report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.devices.device) / 1024**3, 3)
+        return report
 
     def _save_checkpoint(self, step: int, trainer_state: dict) -> None:
         """Write ``OUT/checkpoints/step-NNNNNN`` (every process gathers, the main one writes): the peft adapter beside

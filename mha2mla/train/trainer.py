@@ -17,13 +17,13 @@ from mha2mla.train import RunInterrupted
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.data.rows import prepare_rows
 from mha2mla.train.devices import start_devices
-from mha2mla.train.loop import RecoveryRun, fresh_state
+from mha2mla.train.loop import RecoveryRun
 from mha2mla.train.memory import log_estimate
 from mha2mla.train.model.student import build_student
 from mha2mla.train.model.teacher import load_teacher, load_tokenizer
 from mha2mla.train.model.trainable import check_trainable_shapes, load_trainable_state, make_trainable
 from mha2mla.train.preflight import Plan, preflight
-from mha2mla.train.state.checkpoint import interrupted_sentence
+from mha2mla.train.state.checkpoint import fresh_state, interrupted_sentence
 from mha2mla.train.state.run_log import open_run_folder
 
 log = logging.getLogger(__name__)

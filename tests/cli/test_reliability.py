@@ -714,17 +714,18 @@ def test_resume_with_damaged_run_settings(unfinished_run, tiny_mla, tmp_path, ca
 
 
 def test_kill_9_inside_a_checkpoint_save_then_resume_auto(unfinished_run, tiny_mla, tmp_path):
-    """The run is held inside its step-4 save (checkpoint.HOLD_ENV, half its files written) and killed there: step 2
-    stays complete, and --resume auto finishes the run from it."""
-    from mha2mla.train.state.checkpoint import HOLD_ENV, load_checkpoint
+    """The run is held inside its step-4 save (tests/train/hold_save.py, half its files written) and killed there:
+    step 2 stays complete, and --resume auto finishes the run from it."""
+    from mha2mla.train.state.checkpoint import load_checkpoint
 
     corpus, _ = unfinished_run
     run = tmp_path / "run"
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), HOLD_ENV: "4"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
     command = [sys.executable, "-m", "mha2mla.cli.main", "recover", str(tiny_mla), "--data", str(corpus), "--out",
                str(run), *RUN_FLAGS]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    held = [sys.executable, str(repo / "tests" / "train" / "hold_save.py"), "4", *command[3:]]
+    process = subprocess.Popen(held, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not list(run.glob("checkpoints/.step-000004.mha2mla-tmp.*/HELD")) and process.poll() is None:
             time.sleep(0.05)
@@ -735,7 +736,6 @@ def test_kill_9_inside_a_checkpoint_save_then_resume_auto(unfinished_run, tiny_m
     assert not (run / "checkpoints" / "step-000004").exists()
     assert load_checkpoint(run / "checkpoints" / "step-000002")["state"]["step"] == 2  # every file of the previous one reads back
 
-    del env[HOLD_ENV]
     resumed = subprocess.run([*command, "--resume", "auto"], env=env, capture_output=True, text=True, check=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     report = json.loads((run / "recovery_report.json").read_text())

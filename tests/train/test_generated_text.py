@@ -142,13 +142,12 @@ def test_sampling_flags_reach_the_settings(tiny_mla, tmp_path, capsys):
     assert code == 2 and "--generated-top-p" in err and not out.exists()
 
 
-def test_a_run_saved_before_the_sampling_settings_existed_resumes(tiny_mla, teacher_folder, tmp_path):
+def test_a_run_saved_before_the_sampling_settings_existed_is_refused(tiny_mla, teacher_folder, tmp_path):
     from mha2mla.train.state.resume import check_same_run
 
     config = _config(tiny_mla, teacher_folder, tmp_path, data=["corpus.txt"], generated_temperature=1.0)
     saved = {key: value for key, value in config.outcome_fields().items() if not key.startswith("generated_")}
     (tmp_path / "recover_config.json").write_text(json.dumps(saved))
-    check_same_run(config, tmp_path)  # the settings it lacks are at their defaults: the same run
-    with pytest.raises(UserError, match="generated_top_p"):
-        check_same_run(_config(tiny_mla, teacher_folder, tmp_path, data=["corpus.txt"], generated_temperature=1.0,
-                               generated_top_p=0.9), tmp_path)
+    with pytest.raises(UserError, match=r"settings differ from the interrupted run \(generated_temperature, "
+                                        r"generated_top_p\)"):
+        check_same_run(config, tmp_path)  # another mha2mla's settings: the checkpoint format says which resumes

@@ -63,35 +63,3 @@ def test_a_neutralised_latent_norm_is_left_as_it_is(tmp_path):
         torch.testing.assert_close(layer.self_attn.kv_a_layernorm.weight, before.self_attn.kv_a_layernorm.weight,
                                    rtol=0, atol=0)
         torch.testing.assert_close(layer.self_attn.kv_b_proj.weight, before.self_attn.kv_b_proj.weight, rtol=0, atol=0)
-
-
-def test_a_checkpoint_from_before_balanced_latents_is_refused_in_one_sentence(tiny_mla, tmp_path):
-    import json
-    import shutil
-
-    from common import SAMPLE_TEXT
-
-    from mha2mla import UserError
-    from mha2mla.train import RecoverConfig, recover
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for name in ("a.txt", "b.txt"):
-        (corpus / name).write_text(SAMPLE_TEXT * 4)
-    out = tmp_path / "out"
-    settings = {"model": str(tiny_mla), "data": [str(corpus)], "out": str(out), "seq_len": 32, "batch_size": 2,
-                "max_steps": 4, "lora": {"rank": 4}, "eval_sequences": 2, "eval_every": 0, "save_every": 2,
-                "keep_checkpoints_after_run": True}
-    recover(RecoverConfig(**settings), show_progress=False)
-    for path in out.iterdir():  # what a run killed after its step-2 checkpoint leaves
-        if path.name not in ("checkpoints", "recover_config.json", "train_log.jsonl"):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    shutil.rmtree(out / "checkpoints" / "step-000004", ignore_errors=True)
-    state_file = out / "checkpoints" / "step-000002" / "trainer_state.json"
-    state = json.loads(state_file.read_text())
-    assert state["balanced_latents"] is True
-    del state["balanced_latents"]  # as an earlier version wrote it
-    state_file.write_text(json.dumps(state))
-    with pytest.raises(UserError, match="from before balanced latents") as error:
-        recover(RecoverConfig(**settings), resume="auto", show_progress=False)
-    assert "\n" not in str(error.value)

@@ -155,18 +155,28 @@ def test_a_trainer_state_past_the_runs_last_step_is_damaged(tiny_mla, text, tmp_
     assert _snapshot(out) == before
 
 
-def test_a_run_folder_of_the_earlier_layout_resumes(tiny_mla, text, tmp_path):
-    """OUT/step-N (before checkpoints had their subfolder): --resume auto continues from it and the finished OUT is
-    the model, the old checkpoint removed; the result is the uninterrupted run's."""
-    reference = recover(RecoverConfig(**_settings(tiny_mla, text, tmp_path / "reference")), show_progress=False)
-    out = tmp_path / "old"
+@pytest.mark.parametrize("resume", ["named", "auto"])
+@pytest.mark.parametrize("version", [None, 3])
+def test_a_checkpoint_of_another_format_version_is_refused_in_one_sentence(tiny_mla, text, tmp_path, monkeypatch,
+                                                                         capsys, resume, version):
+    """A trainer state without a format version (written before versions) or with another one is not resumed, and
+    ``--resume auto`` does not pass over it to an older checkpoint."""
+    from mha2mla.train.state.checkpoint import FORMAT_VERSION, VERSION_KEY
+
+    out = tmp_path / "out"
     checkpoint = _unfinished_run(tiny_mla, text, out)
-    checkpoint.rename(out / checkpoint.name)
-    (out / "checkpoints").rmdir()
-    report = recover(RecoverConfig(**_settings(tiny_mla, text, out)), resume="auto", show_progress=False)
-    assert Path(report["resumed_from"]) == out / "step-000002"
-    assert report["losses"] == pytest.approx(reference["losses"], rel=1e-6)
-    assert not list(out.glob("step-*")) and not (out / "checkpoints").exists()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state[VERSION_KEY] == FORMAT_VERSION
+    state.pop(VERSION_KEY) if version is None else state.update({VERSION_KEY: version})
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    before = _snapshot(out)
+    monkeypatch.setattr(RecoveryRun, "train_step", lambda *_: pytest.fail("trained before refusing"))
+    code, err = _run_main(monkeypatch, capsys, [str(tiny_mla), *_flags(text, out), "--resume",
+                                                str(checkpoint) if resume == "named" else "auto"])
+    assert code == 2
+    _one_sentence(err, f"{checkpoint} is a checkpoint of format version {version or 1}, not {FORMAT_VERSION}: finish "
+                       "that run with the mha2mla version that started it, or start it again.")
+    assert _snapshot(out) == before
 
 
 def _interrupt_at(monkeypatch, step: int) -> None:

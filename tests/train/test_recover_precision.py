@@ -1,7 +1,7 @@
 """The compute dtype of `mha2mla recover` (docs/recover.md, "Compute dtype"): decided once per run from
 ``compute_dtype`` and the device; bfloat16 is bf16 autocast over float32 weights (the trainable ones are AdamW's
 master weights) on CPU as on GPU, float32 is no autocast; the merged output keeps the model's dtype; a run saved with the retired
-``mixed_precision`` key resumes under the ``compute_dtype`` it meant."""
+``mixed_precision`` key (another mha2mla's) is not resumed."""
 
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def test_bf16_recovery_lowers_the_loss_and_keeps_the_output_dtype(tiny_mla, corp
     assert settings["compute_dtype"] == "bfloat16" and "mixed_precision" not in settings
 
 
-def test_a_run_saved_with_mixed_precision_resumes_under_compute_dtype(tmp_path):
-    """A run started before compute_dtype existed recorded ``mixed_precision``: resuming it compares the mapped value."""
+def test_a_run_saved_with_mixed_precision_is_refused_naming_the_settings(tmp_path):
+    """A run started before compute_dtype existed recorded ``mixed_precision``: its settings differ from this run's."""
     from mha2mla import UserError
     from mha2mla.io.model_folder import RECOVER_CONFIG
     from mha2mla.train.state.resume import check_same_run
@@ -100,9 +100,8 @@ def test_a_run_saved_with_mixed_precision_resumes_under_compute_dtype(tmp_path):
     config = RecoverConfig(model="m", data=["d"], out=str(tmp_path), max_steps=2, compute_dtype="float32")
     saved = {key: value for key, value in config.outcome_fields().items() if key != "compute_dtype"}
     (tmp_path / RECOVER_CONFIG).write_text(json.dumps({**saved, "mixed_precision": "no"}))
-    check_same_run(config, tmp_path)
-    with pytest.raises(UserError, match="compute_dtype"):
-        check_same_run(config.model_copy(update={"compute_dtype": "bfloat16"}), tmp_path)
+    with pytest.raises(UserError, match=r"settings differ from the interrupted run \(compute_dtype, mixed_precision\)"):
+        check_same_run(config, tmp_path)
 
 
 def test_the_compute_dtype_is_decided_once_per_run(tiny_mla, corpus, tmp_path, monkeypatch):

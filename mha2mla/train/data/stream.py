@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 SHUFFLE_BLOCK_TOKENS = 1 << 20  # tokens per shuffled block: the rows kept in memory
 TOKENIZE_DOCUMENTS = 256  # pieces per tokenizer call (a fast tokenizer encodes a batch on all cores) ...
 TOKENIZE_CHARACTERS = 1 << 18  # ... or fewer, once they hold this many characters: the encodings' memory
-STATE_VERSION = 1
 # bytes per token of a block being built: its token lists (a Python int each), the packing's tensors (ids, positions,
 # documents, their concatenations), the packed rows and their shuffled copy
 BLOCK_BYTES_PER_TOKEN = 110
@@ -128,7 +127,7 @@ class StreamRows:
 
     def state_dict(self) -> dict:
         """The cursor of the block being read, with what it is valid for (JSON-able, a few numbers)."""
-        return {"kind": "stream", "version": STATE_VERSION, "seed": self.seed, "seq_len": self.seq_len,
+        return {"kind": "stream", "seed": self.seed, "seq_len": self.seq_len,
                 "block_rows": self.block_rows, "text": self.fingerprint, "cursor": asdict(self._cursor)}
 
     def load_state_dict(self, state: dict) -> None:

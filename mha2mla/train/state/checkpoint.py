@@ -1,10 +1,11 @@
 """Resumable checkpoints: ``OUT/checkpoints/step-NNNNNN/`` holds the trainable weights (and the peft adapter),
-optimizer, scheduler, every process's RNG state (gather.py gathers them) and the trainer state with the data
-position. They are the run's, not the model's: once the model is written they are removed
-(:func:`remove_checkpoints`) unless asked to stay, and an interrupted run says which it keeps
-(:func:`interrupted_sentence`). A run folder of the earlier layout (``OUT/step-NNNNNN/``) still resumes: both places
-are listed. ``checkpoints`` goes on OUT's list of what mha2mla wrote (mha2mla/io/written.py) with the first
-checkpoint and off it when they are removed; only the step folders are ever removed, never other files in it.
+optimizer, scheduler, every process's RNG state (gather.py gathers them) and the trainer state (:func:`fresh_state`:
+the step, the data position, the curves so far) stamped with the checkpoint format version. A checkpoint of any other
+version is refused in one sentence (:func:`load_checkpoint`): a run is resumed by the mha2mla that started it. They
+are the run's, not the model's: once the model is written they are removed (:func:`remove_checkpoints`) unless asked
+to stay, and an interrupted run says which it keeps (:func:`interrupted_sentence`). ``checkpoints`` goes on OUT's
+list of what mha2mla wrote (mha2mla/io/written.py) with the first checkpoint and off it when they are removed; only
+the step folders are ever removed, never other files in it.
 
 A checkpoint is written into a hidden staging folder next to it (mha2mla/io/output.py's names, so the next run
 removes one a killed writer left), every file fsynced, then renamed to ``step-NNNNNN``: a run killed while saving
@@ -19,7 +20,6 @@ import logging
 import os
 import re
 import shutil
-import time
 import warnings
 from pathlib import Path
 
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import RECOVER_CONFIG
+from mha2mla.io.model_folder import CONFIG_FILE, RECOVER_CONFIG
 from mha2mla.io.output import remove_stale, staging_path, write_errors
 from mha2mla.io.staging import discard_aside, move_aside
 from mha2mla.io.writer import write_safetensors
@@ -41,9 +41,18 @@ TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
-# Test-only: the step at which save_checkpoint stops half-way (after a marker file HELD in its staging folder) so a
-# test can kill -9 the run inside a save (tests/test_reliability.py).
-HOLD_ENV = "MHA2MLA_TEST_HOLD_SAVE_AT"
+# the form of everything a checkpoint holds, written into its trainer state; checkpoints from before versions count
+# as version 1, and every version but this one is refused
+FORMAT_VERSION = 2
+VERSION_KEY = "format_version"
+
+
+def fresh_state() -> dict:
+    """The trainer state of a run at step 0: the step, the data position (the rows consumed, and the rows' own
+    ``state_dict()`` once saved), the tokens and seconds trained, the loop's wall time (the time budget's, summed over
+    resumptions) and the curves so far."""
+    return {"step": 0, "rows_consumed": 0, "tokens_trained": 0, "train_seconds": 0.0, "wall_seconds": 0.0,
+            "losses": [], "evaluations": [], "data": None}
 
 
 class DamagedCheckpoint(UserError):
@@ -55,21 +64,17 @@ def step_folder(out: Path, step: int) -> Path:
 
 
 def list_checkpoints(out: Path) -> list[Path]:
-    """The checkpoint folders of the run in ``out`` (complete or damaged), oldest first: ``OUT/checkpoints/step-*``
-    and those of the earlier layout, ``OUT/step-*`` (at the same step, the new layout's comes last: it is newer)."""
-    found = []
-    for rank, folder in enumerate((out, out / CHECKPOINTS)):
-        if not folder.is_dir():
-            continue
-        for child in folder.iterdir():
-            match = STEP_PATTERN.match(child.name)
-            if match and child.is_dir():
-                found.append((int(match.group(1)), rank, child))
-    return [path for _, _, path in sorted(found)]
+    """The checkpoint folders of the run in ``out`` (``OUT/checkpoints/step-*``, complete or damaged), oldest first."""
+    folder = out / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [(int(match.group(1)), child) for child in folder.iterdir()
+             if (match := STEP_PATTERN.match(child.name)) and child.is_dir()]
+    return [path for _, path in sorted(found)]
 
 
 def remove_checkpoints(out: Path) -> None:
-    """Remove the run's checkpoints from ``out`` (both layouts), once the model they trained is written there; the
+    """Remove the run's checkpoints from ``out``, once the model they trained is written there; the
     checkpoints folder goes too when nothing else is in it (a file put there by hand stays, off mha2mla's list)."""
     for folder in list_checkpoints(out):
         shutil.rmtree(folder)
@@ -78,11 +83,6 @@ def remove_checkpoints(out: Path) -> None:
         if not any((out / CHECKPOINTS).iterdir()):
             (out / CHECKPOINTS).rmdir()
     forget_written(out, [CHECKPOINTS])
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    checkpoints = list_checkpoints(out)
-    return checkpoints[-1] if checkpoints else None
 
 
 def newest_complete(out: Path, rank: int = 0, last_step: int | None = None) -> tuple[Path, dict] | None:
@@ -100,8 +100,8 @@ def newest_complete(out: Path, rank: int = 0, last_step: int | None = None) -> t
             log.warning("%s; resuming from %s instead.", sentence.removesuffix("."), folder.name)
         return folder, saved
     if damaged:
-        raise UserError(f"every checkpoint in {out} is damaged ({damaged[0]}); remove them (the step-* folders) to "
-                        "start the run again from step 0.")
+        raise UserError(f"every checkpoint in {out} is damaged ({damaged[0]}); remove them (the step-* folders in "
+                        f"{out / CHECKPOINTS}) to start the run again from step 0.")
     return None
 
 
@@ -153,25 +153,18 @@ def _sync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def _hold_here(step: int, staging: Path) -> None:
-    """The test hook of :data:`HOLD_ENV`: mark the staging folder and wait to be killed."""
-    if os.environ.get(HOLD_ENV) == str(step):
-        (staging / "HELD").write_text("held inside save_checkpoint\n")
-        time.sleep(3600)
-
-
-def _write_files(staging: Path, step: int, trainable, optimizer_state, scheduler_state, trainer_state, rng_states,
+def _write_files(staging: Path, trainable, optimizer_state, scheduler_state, trainer_state, rng_states,
                  adapter_model) -> None:
     _write_synced(staging / TRAINABLE_FILE, lambda handle: write_safetensors(handle, trainable))  # tensor by tensor
     _write_synced(staging / OPTIMIZER_FILE, _torch_file(optimizer_state))
-    _hold_here(step, staging)
     _write_synced(staging / SCHEDULER_FILE, _torch_file(scheduler_state))
     for rank, state in enumerate(rng_states):
         _write_synced(staging / f"rng_state_{rank}.pt", _torch_file(state))
     if adapter_model is not None:  # the peft adapter, loadable on its own with PeftModel.from_pretrained; its
         # tensors are the ones given (gathered from every process under FSDP), not the model's own (maybe shards)
         adapter_model.save_pretrained(str(staging / "adapter"), state_dict=trainable)
-    _write_synced(staging / STATE_FILE, lambda handle: handle.write((json.dumps(trainer_state, indent=2) + "\n").encode()))
+    stamped = {**trainer_state, VERSION_KEY: FORMAT_VERSION}
+    _write_synced(staging / STATE_FILE, lambda handle: handle.write((json.dumps(stamped, indent=2) + "\n").encode()))
     _sync_folder(staging)
 
 
@@ -204,7 +197,7 @@ def save_checkpoint(
         staging = staging_path(final)
         try:
             staging.mkdir()
-            _write_files(staging, step, trainable, optimizer_state, scheduler_state, trainer_state, rng_states,
+            _write_files(staging, trainable, optimizer_state, scheduler_state, trainer_state, rng_states,
                          adapter_model)
             _put_in_place(staging, final)
         except BaseException:
@@ -248,8 +241,8 @@ def _trainer_state(path: Path, last_step: int | None = None) -> dict:
 
 def load_checkpoint(folder: Path, rank: int = 0, last_step: int | None = None) -> dict:
     """Everything a checkpoint holds, as tensors/dicts (weights on CPU); a missing or unreadable file, or a trainer
-    state past ``last_step`` (the run's settings), is a :class:`DamagedCheckpoint` naming it. Nothing is unpickled
-    (``weights_only``)."""
+    state past ``last_step`` (the run's settings), is a :class:`DamagedCheckpoint` naming it, a checkpoint of another
+    format version a UserError. Nothing is unpickled (``weights_only``)."""
     folder = Path(folder)
     if not (folder / f"rng_state_{rank}.pt").is_file() and (folder / "rng_state_0.pt").is_file():
         raise UserError(f"{folder} was written by a run with fewer processes; resume with the same number of processes.")
@@ -259,8 +252,13 @@ def load_checkpoint(folder: Path, rank: int = 0, last_step: int | None = None) -
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
 
+    state = _read(folder, STATE_FILE, lambda path: _trainer_state(path, last_step))
+    version = state.get(VERSION_KEY, 1)
+    if version != FORMAT_VERSION:
+        raise UserError(f"{folder} is a checkpoint of format version {version}, not {FORMAT_VERSION}: finish that run "
+                        "with the mha2mla version that started it, or start it again.")
     return {
-        "state": _read(folder, STATE_FILE, lambda path: _trainer_state(path, last_step)),
+        "state": state,
         "trainable": _read(folder, TRAINABLE_FILE, lambda path: load_safetensors(path.read_bytes())),
         "optimizer": _read(folder, OPTIMIZER_FILE, torch_file),
         "scheduler": _read(folder, SCHEDULER_FILE, torch_file),
@@ -274,7 +272,7 @@ def interrupted_sentence(out: Path) -> str:
     if checkpoints:
         return (f"interrupted; the checkpoints in {checkpoints[-1].parent} are kept: run the same command with "
                 "--resume auto to continue from the newest.")
-    if out.is_dir() and (out / RECOVER_CONFIG).is_file() and not (out / "config.json").is_file():
+    if out.is_dir() and (out / RECOVER_CONFIG).is_file() and not (out / CONFIG_FILE).is_file():
         return (f"interrupted before the first checkpoint; {out} holds only the run's settings and log: run the same "
                 "command with --resume auto to start it again, or remove it.")
     return "interrupted; the run had not written to --out yet: run the command again."

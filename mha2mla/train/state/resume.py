@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import RECOVER_CONFIG, RECOVERY_REPORT
-from mha2mla.train.config import LEGACY_MIXED_PRECISION, RecoverConfig
+from mha2mla.io.model_folder import CONFIG_FILE, RECOVER_CONFIG, RECOVERY_REPORT
+from mha2mla.train.config import RecoverConfig
 from mha2mla.train.state import checkpoint as ckpt
 
 
@@ -35,12 +35,8 @@ def changed_settings(saved_path: Path, settings: dict) -> tuple[list[str], UserE
     except (ValueError, AttributeError, TypeError) as error:
         return [], UserError(f"{saved_path} is damaged ({type(error).__name__}); it records the run's settings: restore "
                              "it, or delete it to resume without checking that the settings are the same.")
-    if "mixed_precision" in saved:  # a run started before compute_dtype replaced it
-        saved.setdefault("compute_dtype", LEGACY_MIXED_PRECISION.get(saved.pop("mixed_precision")))
     current = flat_settings(settings)
-    # a setting newer than the interrupted run (e.g. generated_temperature) counts as its default there
-    defaults = {name: info.default for name, info in RecoverConfig.model_fields.items() if not info.is_required()}
-    return sorted(key for key in current if saved.get(key, defaults.get(key)) != current[key]), None
+    return sorted(key for key in current.keys() | saved.keys() if saved.get(key) != current.get(key)), None
 
 
 def check_same_run(config: RecoverConfig, folder: Path) -> None:
@@ -52,15 +48,6 @@ def check_same_run(config: RecoverConfig, folder: Path) -> None:
         raise UserError(f"cannot resume: settings differ from the interrupted run ({', '.join(changed)}); use the same options.")
 
 
-def _balanced(path: Path, saved: dict) -> tuple[Path, dict]:
-    """A checkpoint trained on balanced latents (model.balance_latent_scales), as the run now loads the model: an
-    older one holds weights of the other form, which would not fit the reloaded frozen ones."""
-    if not saved["state"].get("balanced_latents"):
-        raise UserError(f"{path} was written by an mha2mla recover from before balanced latents (docs/recover.md, "
-                        "\"Stability\"); finish that run with the version that started it, or start it again.")
-    return path, saved
-
-
 def restore(config: RecoverConfig, resume: str | None, settings: dict, last_step: int,
             rank: int = 0) -> tuple[Path | None, dict | None]:
     """The checkpoint a run continues from and what it holds, every file read back (None, None: a fresh run), after
@@ -70,7 +57,7 @@ def restore(config: RecoverConfig, resume: str | None, settings: dict, last_step
     one must be complete; a checkpoint past ``last_step`` counts as damaged."""
     out = config.out_path
     changed, damaged = changed_settings(out / RECOVER_CONFIG, settings)
-    finished = (out / "config.json").is_file()
+    finished = (out / CONFIG_FILE).is_file()
     checkpoints = ckpt.list_checkpoints(out)
     used = out.is_dir() and any(out.iterdir())
     if used and not ((out / RECOVERY_REPORT).is_file() or (out / RECOVER_CONFIG).is_file() or checkpoints):
@@ -88,7 +75,7 @@ def restore(config: RecoverConfig, resume: str | None, settings: dict, last_step
         raise UserError(f"the run in {out} has already finished; choose another --out.")
     chosen = Path(resume).expanduser() if resume != "auto" else (checkpoints[-1] if checkpoints else None)
     if resume != "auto" and (not chosen.is_dir() or not ckpt.STEP_PATTERN.match(chosen.resolve().name)):
-        raise UserError(f"--resume {resume} is not a checkpoint folder (OUT/step-NNNNNN); use --resume auto.")
+        raise UserError(f"--resume {resume} is not a checkpoint folder (OUT/checkpoints/step-NNNNNN); use --resume auto.")
     if chosen is None:
         return None, None
     if damaged is not None:
@@ -96,10 +83,9 @@ def restore(config: RecoverConfig, resume: str | None, settings: dict, last_step
     if changed:
         raise UserError(f"cannot resume: settings differ from the interrupted run ({', '.join(changed)}); use the same options.")
     if resume == "auto":
-        found = ckpt.newest_complete(out, rank, last_step)
-        return _balanced(*found) if found is not None else (None, None)
+        return ckpt.newest_complete(out, rank, last_step) or (None, None)
     try:
-        return _balanced(chosen, ckpt.load_checkpoint(chosen, rank, last_step))
+        return chosen, ckpt.load_checkpoint(chosen, rank, last_step)
     except ckpt.DamagedCheckpoint as error:
         raise UserError(f"{str(error).removesuffix('.')}; resume from an earlier checkpoint, or use --resume auto "
                         "to take the newest complete one.") from None
