@@ -88,8 +88,10 @@ def general_text_path(name: str) -> Path:
 
 
 def cached_general_text(name: str) -> Path:
-    """The file of general healing text ``name``, or a UserError saying how to fetch it."""
+    """The file of general healing text ``name``, or a UserError saying what to pass instead (``recover --data``) and
+    how to fetch it: an installed package has no texts until ``make assets`` runs in a checkout."""
     path = general_text_path(name)
     if not path.is_file():
-        raise UserError(f"{GENERAL_TEXTS[name]} is not in {path}; {FETCH_HINT}.")
+        raise UserError(f"recover's default training text needs {GENERAL_TEXTS[name]}, which is not in {path}; pass "
+                        f"your own text with --data FILE, or {FETCH_HINT}.")
     return path

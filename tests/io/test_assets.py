@@ -45,3 +45,20 @@ def test_an_unknown_general_text_is_one_sentence(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path))
     with pytest.raises(UserError, match="choose one of"):
         general_text_path("fortunes")
+
+
+def test_recover_without_data_on_an_empty_cache_says_what_to_pass(tiny_mla, tmp_path, monkeypatch, capsys):
+    """An installed package (no checkout, `make assets` never ran): recover's default text is missing, and the one
+    sentence names --data FILE; nothing is written."""
+    from common import run_cli, snapshot
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("MHA2MLA_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path), snapshot(tiny_mla)
+    code, _, err = run_cli(["recover", tiny_mla, "--out", tmp_path / "out", "--max-steps", "2"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--data FILE" in lines[0], err
+    assert (snapshot(tmp_path), snapshot(tiny_mla)) == before
