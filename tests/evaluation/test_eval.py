@@ -408,7 +408,7 @@ def test_short_text_is_one_window_and_a_missing_text_is_one_sentence(models, tmp
     scored = text_perplexity(loaded.model, loaded.tokenizer, short)
     assert 1 < scored["tokens"] < 512 and scored["token_perplexity"] > 1.0
     code, err = _error_of([str(models["source"]), "--text", str(tmp_path / "absent.txt")], monkeypatch, capsys)
-    assert code == 2 and "absent.txt is not a file" in err and "\n" not in err
+    assert code == 2 and "absent.txt does not exist" in err and "\n" not in err
 
 
 def test_without_cached_texts_the_defaults_are_the_mmlu_tasks(models, tmp_path, monkeypatch, capsys):
