@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import CONFIG_FILE
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.data.stream import peak_bytes
 from mha2mla.train.losses import CHUNK_POSITIONS
@@ -128,7 +129,7 @@ def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, c
              world: int = 1, sharded: bool = False) -> MemoryEstimate:
     """The run's memory per process (``world`` processes; ``sharded``: FSDP, weights and states split over them),
     from the parameter counts (model/trainable.py, meta_counts) and the run's optimizer steps."""
-    model_config = json.loads((Path(config.model) / "config.json").read_text())
+    model_config = json.loads((Path(config.model) / CONFIG_FILE).read_text())
     trainable, total = counts.trainable, counts.total
     split = world if sharded else 1
     compute_bytes = 2 if compute_dtype == "bfloat16" else 4

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import check_model_folder
+from mha2mla.io.model_folder import GGUF_SUFFIX, check_model_folder
 from mha2mla.io.output import check_destination
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.devices import Devices
@@ -51,7 +51,7 @@ def preflight(config: RecoverConfig, resume: str | None, devices: Devices) -> Pl
         teacher = Path(config.teacher).expanduser()
         if not teacher.exists():
             raise UserError(f"teacher {config.teacher} does not exist; give the source model folder or its .gguf file.")
-        if teacher.is_file() and teacher.suffix.lower() != ".gguf":
+        if teacher.is_file() and teacher.suffix.lower() != GGUF_SUFFIX:
             raise UserError(f"teacher {config.teacher} is a file but not a .gguf; give a model folder or a .gguf file.")
         if teacher.is_dir():
             check_model_folder(teacher, hint=STUDENT_HINT)

@@ -1,8 +1,9 @@
 """``recover(config)``: the public entry point of recovery fine-tuning, the run read top to bottom: the devices and
-compute dtype (devices.py), the checks (preflight.py, which also decides the activation checkpointing), the tokenizer
-and teacher (teacher.py), the training and held-out rows (generated.py), the memory estimate logged, the student and
-what trains of it (model.py, trainable.py), the ``RecoveryRun`` that trains it (run.py) in its run folder (log.py),
-and the merged model written to OUT."""
+compute dtype (devices.py), the checks (preflight.py, which also decides the activation checkpointing and reads the
+checkpoint to resume), the tokenizer and teacher (model/teacher.py), the training and held-out rows (data/rows.py),
+the memory estimate logged, the student and what trains of it (model/student.py, model/trainable.py), the
+``RecoveryRun`` that trains it (loop.py) in its run folder (state/run_log.py, state/checkpoint.py), and the merged
+model written to OUT (model/merge.py)."""
 
 from __future__ import annotations
 
@@ -22,26 +23,11 @@ from mha2mla.train.memory import log_estimate
 from mha2mla.train.model.student import build_student
 from mha2mla.train.model.teacher import load_teacher, load_tokenizer
 from mha2mla.train.model.trainable import check_trainable_shapes, load_trainable_state, make_trainable
-from mha2mla.train.preflight import Plan, preflight
+from mha2mla.train.preflight import preflight
 from mha2mla.train.state.checkpoint import fresh_state, interrupted_sentence
 from mha2mla.train.state.run_log import open_run_folder
 
 log = logging.getLogger(__name__)
-
-
-def _teacher_and_rows(config: RecoverConfig, plan: Plan, devices, tokenizer, show_progress: bool):
-    """The teacher (None without one) and the training and held-out rows. The data is read first, so that a bad
-    --data is refused before a teacher loads, unless the teacher writes it (no data, default_data generated)."""
-    def teacher_model():
-        return load_teacher(config.teacher, config.attn_implementation, devices.dtype, plan.model_config.get("vocab_size"))
-
-    writes_data = not config.data and config.default_data == "generated"
-    teacher = teacher_model() if writes_data and config.teacher is not None else None
-    rows_needed = plan.total_steps * config.batch_size * config.grad_accum * devices.world
-    train_rows, held_out = prepare_rows(config, tokenizer, rows_needed, teacher, devices.accelerator, show_progress)
-    if teacher is None and config.teacher is not None:
-        teacher = teacher_model()
-    return teacher, train_rows, held_out
 
 
 def recover(config: RecoverConfig, resume: str | None = None, show_progress: bool = True) -> dict:
@@ -56,7 +42,13 @@ def recover(config: RecoverConfig, resume: str | None = None, show_progress: boo
         plan = preflight(config, resume, devices)
         config = plan.config  # activation checkpointing decided (auto resolved), once, by the preflight
         tokenizer = load_tokenizer(config.model)
-        teacher, train_rows, held_out = _teacher_and_rows(config, plan, devices, tokenizer, show_progress)
+        vocab = plan.model_config.get("vocab_size")
+        writes_text = not config.data and config.default_data == "generated"  # the teacher writes the text first
+        teacher = load_teacher(config.teacher, config.attn_implementation, devices.dtype, vocab) if writes_text else None
+        rows_needed = plan.total_steps * config.batch_size * config.grad_accum * devices.world
+        train_rows, held_out = prepare_rows(config, tokenizer, rows_needed, teacher, devices.accelerator, show_progress)
+        if teacher is None and config.teacher is not None:  # after the data, so that a bad --data is refused first
+            teacher = load_teacher(config.teacher, config.attn_implementation, devices.dtype, vocab)
         log_estimate(plan.sized, devices)  # the inputs have read: the run is about to train
         set_seed(config.seed)  # before the LoRA weights are drawn
         student = build_student(config.model, plan.model_config, config.attn_implementation, torch.float32,

@@ -30,13 +30,14 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import CONFIG_FILE, GGUF_SUFFIX
 from mha2mla.io.output import write_errors
 from mha2mla.train.data.packing import PackedSequences
 
 log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 8  # rows per cached chunk in a run: a fixed size, so runs with other batch sizes reuse the text
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", GGUF_SUFFIX)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -105,7 +106,7 @@ def teacher_identity(path: str | Path) -> dict:
     config.json and weight files: a changed teacher gets new text."""
     path = Path(path).expanduser().resolve()
     files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+        p for p in path.iterdir() if p.name == CONFIG_FILE or p.name.endswith(WEIGHT_SUFFIXES))
     return {"path": str(path), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
 

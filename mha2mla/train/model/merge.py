@@ -17,7 +17,7 @@ import torch
 from peft import PeftModel
 
 from mha2mla.io.card import write_recovery_card
-from mha2mla.io.model_folder import CONVERSION_REPORT, RECOVER_CONFIG, RECOVERY_REPORT
+from mha2mla.io.model_folder import CONFIG_FILE, CONVERSION_REPORT, RECOVER_CONFIG, RECOVERY_REPORT
 from mha2mla.io.output import staged_output
 from mha2mla.modeling.absorbed import write_absorbed
 from mha2mla.train.model.student import load_student
@@ -34,7 +34,7 @@ def merged_model(model):
 
 
 def stored_dtype(model_folder: Path) -> torch.dtype:
-    config = json.loads((Path(model_folder) / "config.json").read_text())
+    config = json.loads((Path(model_folder) / CONFIG_FILE).read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
 
@@ -70,7 +70,7 @@ def write_recovered(
         plain = plain.to(stored_dtype(source_folder))
         plain.config.use_cache = True  # inference default in the written config
         plain.save_pretrained(str(staging))
-        keep_input_config_keys(source_folder / "config.json", staging / "config.json")
+        keep_input_config_keys(source_folder / CONFIG_FILE, staging / CONFIG_FILE)
         tokenizer.save_pretrained(str(staging))
         write_absorbed(staging, plain.state_dict(), plain.config)
         if (source_folder / CONVERSION_REPORT).is_file():

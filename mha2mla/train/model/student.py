@@ -7,12 +7,12 @@ import importlib
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers import AttentionInterface
 
 from mha2mla import UserError
+from mha2mla.io.loader import load_causal_lm
 from mha2mla.io.model_folder import check_model_folder
 from mha2mla.modeling.rmsnorm import latent_scale_ratio, normalises
-from mha2mla.modeling.sdpa import mla_attention_for
 
 TRITON_ATTENTION = "mha2mla_triton"
 STUDENT_HINT = "give the output folder of `mha2mla convert`"  # what a model folder that does not read back needs
@@ -63,8 +63,7 @@ def build_student(folder: str | Path, model_config: dict, attn_implementation: s
             "run `mha2mla convert` first."
         )
     name = resolve_attn_implementation(attn_implementation, device_type, compute_dtype, model_config)
-    implementation = mla_attention_for(model_config, name)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=implementation)
+    model = load_causal_lm(folder, dtype, attention=name)  # sdpa as mha2mla_sdpa (io/loader.py)
     model.config.use_cache = False
     balance_latent_scales(model)
     return model

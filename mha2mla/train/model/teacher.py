@@ -8,20 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2mla import UserError
-from mha2mla.io.source import load_gguf_model
+from mha2mla.io import loader
 
 STUDENT_ONLY_ATTENTION = ("mha2mla_triton", "auto")  # MLA kernels: an MHA/GQA teacher runs sdpa instead
 
 
 def load_tokenizer(folder: str | Path):
-    """The tokenizer of a model folder; one that does not load is one sentence."""
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load a tokenizer from {folder} ({str(error).splitlines()[0][:160]}).") from None
+    """The tokenizer of a model folder (mha2mla/io/loader.py); one that does not load is one sentence."""
+    return loader.load_tokenizer(folder, hint="give the output folder of `mha2mla convert`, which holds its tokenizer")
 
 
 def load_teacher(source: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
@@ -29,12 +25,9 @@ def load_teacher(source: str | Path, attn_implementation: str = "sdpa", dtype: t
     """The frozen source model of ``source`` (a folder or a ``.gguf`` file) in ``dtype``, in eval mode without
     gradients. ``student_vocab``: the student's vocabulary size (its config's ``vocab_size``), which the teacher's
     must equal (None: not compared)."""
-    path = Path(source).expanduser()
     implementation = "sdpa" if attn_implementation in STUDENT_ONLY_ATTENTION else attn_implementation
-    if path.is_file():  # a dequantized GGUF model is a plain float model (docs/recover.md)
-        model, _ = load_gguf_model(path, dtype, attn_implementation=implementation)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=implementation)
+    # a dequantized GGUF model is a plain float model (docs/recover.md), loaded in ``dtype`` as a folder's is
+    model = loader.load_causal_lm(Path(source).expanduser(), dtype, attention=implementation)
     model.config.use_cache = False
     model.eval()
     model.requires_grad_(False)

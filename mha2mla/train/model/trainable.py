@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import CONFIG_FILE
 from mha2mla.train.config import TRAINABLE_NORMS, LoraSettings
 
 
@@ -103,7 +104,7 @@ def meta_counts(config) -> ParameterCounts:
     """The parameter counts of ``config``'s run before anything loads: the student made trainable as the run makes
     it, and the teacher when it is a model folder (a GGUF teacher is counted as the student by the estimate)."""
     teacher = None
-    if config.teacher is not None and (Path(config.teacher) / "config.json").is_file():
+    if config.teacher is not None and (Path(config.teacher) / CONFIG_FILE).is_file():
         teacher = sum(p.numel() for p in meta_model(config.teacher).parameters())
     with warnings.catch_warnings():  # peft warns that meta tensors cannot be initialised: nothing to initialise
         warnings.simplefilter("ignore")
