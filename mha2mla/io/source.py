@@ -244,11 +244,15 @@ def gguf_to_folder(gguf_path: str | Path) -> Path:
 
 
 def _download(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
+    """The hub model ``repo_id`` downloaded (or found) in the Hugging Face cache; offline, only a cached copy."""
+    from huggingface_hub import constants, snapshot_download
 
+    try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as error:
+        if constants.HF_HUB_OFFLINE:
+            raise UserError(f"{repo_id} is not a local path and the Hugging Face cache has no copy of it, which this "
+                            "offline machine (HF_HUB_OFFLINE) cannot fetch; pass a model folder or a .gguf file.") from error
         raise UserError(
             f"{repo_id} is neither a local path nor a downloadable hub model ({type(error).__name__}); "
             "check the name, or download it and pass the folder."

@@ -74,3 +74,20 @@ def test_a_folder_without_a_tokenizer_is_one_sentence_with_the_hint(tmp_path):
     folder = build_source(tmp_path / "bare", with_tokenizer=False)
     with pytest.raises(UserError, match="cannot load a tokenizer from .*; copy the tokenizer files"):
         load_tokenizer(folder, hint="copy the tokenizer files")
+
+
+def test_a_hub_id_offline_without_a_cached_copy_is_one_sentence(tmp_path, monkeypatch, capsys):
+    from common import run_cli, snapshot
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(["eval", "nosuch-owner/nosuch-model", "--tasks", "mmlu_dev_mc"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("error: nosuch-owner/nosuch-model is not a local path"), err
+    assert "offline" in lines[0] and "pass a model folder or a .gguf file" in lines[0]
+    assert snapshot(tmp_path) == before
