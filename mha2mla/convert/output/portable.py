@@ -8,12 +8,11 @@ transformers and silently produces something else in a serving engine.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from mha2mla.io.model_folder import INDEX_FILE, SINGLE_FILE, read_config, read_index
 
 SERVING_ROPE_TYPES = {"default", "yarn", "deepseek_yarn"}
 ATTENTION_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
@@ -52,11 +51,12 @@ def portable_violations(config: dict, tensor_names: list[str]) -> list[str]:
 
 
 def check_portable_folder(folder: str | Path) -> list[str]:
+    """The portable profile's violations in a converted folder: its config.json and its weights' tensor names."""
     folder = Path(folder)
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    config = read_config(folder)
     index = folder / INDEX_FILE
     if index.exists():
-        names = list(json.loads(index.read_text())["weight_map"])
+        names = list(read_index(index))
     else:
         from safetensors import safe_open
 
