@@ -40,6 +40,7 @@ QUESTIONS = {
     "recover_data": "How fast and in how much memory does recover's streamed --data read, and how fast does it resume?",
     "decode": "How fast does a converted model decode, and how many KV-cache bytes does it hold?",
     "kernels_bench": "How fast are the MLA Triton kernels against torch SDPA and against HBM bandwidth?",
+    "fresh_clone": "How long do the README's two commands take in a fresh clone?",
 }
 _records_file: list[Path] = []  # set by --records (add_output_arguments); else records/<script>.jsonl
 

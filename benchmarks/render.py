@@ -192,6 +192,10 @@ TABLES: dict[str, Table] = {
         ("context", field("figures.context")), ("batch", field("figures.batch")), ("model", field("figures.model")),
         ("prefill s", field("figures.prefill_s", 1)), ("decode tok/s", field("figures.decode_tokens_per_s")),
         ("cache MiB", lambda r: number(get(r, "figures.cache_bytes") / 2**20, 1)))),
+    "fresh-clone": Table("fresh_clone.jsonl", "fresh-clone", (
+        ("command", field("figures.target")), ("wall", lambda r: duration(get(r, "figures.seconds"))),
+        ("tests", field("figures.tests")), ("of which pytest", lambda r: duration(get(r, "figures.pytest seconds"))),
+        ("KJV × source (demo)", ratio_field("figures.kjv x source", 2)), ("peak GiB", field("figures.peak GiB")))),
     "engines": Table("engines.jsonl", "test-engines", (
         ("case", field("figures.case")), ("prompt max \\|Δ logprob\\|", field("figures.prompt_max_logprob_delta")),
         ("prompt top-1", field("figures.prompt_top1")),
