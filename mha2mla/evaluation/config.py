@@ -31,7 +31,7 @@ class EvalConfig(BaseModel):
     seed: int = Field(1234, ge=0, le=MAX_SEED, description="seed for every random source of lm-eval, the same for "
                       f"the baseline (0 to {MAX_SEED})")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights dtype (auto: the checkpoint's own)")
+        "auto", description="weights dtype (auto: the checkpoint's own; bfloat16 for a .gguf, the dtype its conversion writes)")
     text: str | None = Field(None, description="a UTF-8 text file to score for token perplexity (offline); alone, "
                              "it replaces the default tasks")
     text_tokens: int = Field(16384, ge=2, description="tokens read from the start of --text")
