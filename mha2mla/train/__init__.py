@@ -1,11 +1,11 @@
 """Recovery fine-tuning of converted MLA models: ``recover(RecoverConfig(...))``.
 
 trainer (``recover``: the run read top to bottom), config (settings, LoRA settings), devices (device, compute dtype,
-accelerate, decided once), preflight (every check before anything loads: model folder, OUT, resume point in resume,
-memory estimate in memory), teacher (tokenizer and teacher), data / stream / generated (the training and held-out
-rows), model (the student and its attention kernel), trainable (what trains, parameter counts), run
-(``RecoveryRun``: optimizer and schedule, the train step with losses / head_losses, the loop with evaluate, log and
-checkpoint, export through merge), distributed (what a checkpoint needs from every process).
+accelerate, decided once), preflight (every check before anything loads; the memory estimate in memory), data/ (the
+training and held-out rows from --data, the healing text or the teacher's text: rows.prepare_rows), model/ (student,
+teacher, what trains, the merged model), loop (``RecoveryRun``: optimizer, the train step with losses / head_losses,
+the loop with its schedule, evaluate, export), state/ (the run folder: settings and log, checkpoints in one format
+version, where a run resumes).
 
 ``recover`` and ``RecoveryRun`` load on first use, so reading the settings (``mha2mla recover --help``)
 does not import torch, accelerate and peft."""
