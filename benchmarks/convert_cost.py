@@ -137,7 +137,7 @@ def _perplexity(folder: Path, windows: int) -> dict:
 
     from mha2mla.evaluation.perplexity import held_out_perplexity
     from mha2mla.io.cache import HELD_OUT_TEXTS, held_out_text_path
-    from mha2mla.modeling.sdpa import mla_attention_for
+    from mha2mla.kernels.sdpa import mla_attention_for
 
     config = json.loads((folder / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,

@@ -13,7 +13,7 @@ import torch
 from mha2mla import UserError
 from mha2mla.io.model_folder import check_model_folder, source_kind
 from mha2mla.io.source import load_gguf_tokenizer, load_gguf_weights, resolve_source
-from mha2mla.modeling.sdpa import mla_attention_for
+from mha2mla.kernels.sdpa import mla_attention_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GGUF_AUTO_DTYPE = torch.bfloat16  # what a conversion of a GGUF writes by default (mha2mla/convert/plan/resolve.py)
@@ -73,7 +73,7 @@ def load_causal_lm(spec: str | Path, dtype: str | torch.dtype | None = "auto", a
     """The causal LM of ``spec`` (a model folder, a ``.gguf`` file or a hub id) in ``dtype`` (a torch dtype, one of
     DTYPES' names, or ``"auto"``: the checkpoint's own, bfloat16 for a GGUF), with attention implementation
     ``attention`` (None: transformers' default). A converted MLA model whose value head is narrower than its
-    query/key head runs ``sdpa`` and the default as ``mha2mla_sdpa`` (mha2mla/modeling/sdpa.py)."""
+    query/key head runs ``sdpa`` and the default as ``mha2mla_sdpa`` (mha2mla/kernels/sdpa.py)."""
     from transformers import AutoModelForCausalLM
 
     kind, path = model_path(spec)

@@ -1,7 +1,7 @@
 """Where mha2mla writes a model folder, and how, so that a user's files are never lost.
 
 The one implementation behind every output folder: ``convert``'s OUT (mha2mla/convert/pipeline.py) and
-``recover``'s --out (mha2mla/train/merge.py); the GGUF cache (mha2mla/io/source.py) uses its staging names
+``recover``'s --out (mha2mla/train/model/merge.py); the GGUF cache (mha2mla/io/source.py) uses its staging names
 (mha2mla/io/staging.py). A ``~`` in OUT is the home folder, for the checks and the writing alike.
 
 - OUT is never a symbolic link or a file, never an input (the source model, or a folder holding it), never the

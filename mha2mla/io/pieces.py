@@ -1,4 +1,4 @@
-"""Documents in pieces of bounded size, for streaming (mha2mla.train.stream): a plain text file, one document however
+"""Documents in pieces of bounded size, for streaming (mha2mla.train.data.stream): a plain text file, one document however
 long, is read ``PIECE_BYTES`` at a time and cut at whitespace, so memory holds one piece, never the file; a record
 of the other formats (mha2mla.io.documents) is one piece.
 

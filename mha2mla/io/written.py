@@ -24,7 +24,7 @@ MARKERS = (CONVERSION_REPORT, RECOVERY_REPORT, RECOVER_CONFIG)
 
 # The top-level names mha2mla wrote into an output folder, one per line (``NAME`` or ``NAME<TAB>SHA256``).
 HASHED_BYTES = 1024**2  # files up to this size are listed with their hash (cards, configs, reports)
-_CHECKPOINT = re.compile(r"^step-\d{6,}$")  # a recover run's checkpoint folder (mha2mla/train/checkpoint.py)
+_CHECKPOINT = re.compile(r"^step-\d{6,}$")  # a recover run's checkpoint folder (mha2mla/train/state/checkpoint.py)
 
 
 def is_ours(folder: Path) -> bool:
@@ -109,11 +109,10 @@ def changed_entries(folder: Path) -> list[str]:
 
 
 def checkpoint_entries(folder: Path) -> list[str]:
-    """The recover checkpoint folders in ``folder`` (``step-N``, ``checkpoints/step-N``): what an interrupted run
-    resumes from, never replaced by --force."""
-    found = []
-    for sub in (Path(folder), Path(folder) / "checkpoints"):
-        if sub.is_dir() and not sub.is_symlink():
-            found += [str(entry.relative_to(folder)) for entry in sorted(sub.iterdir())
-                      if _CHECKPOINT.match(entry.name) and entry.is_dir()]
-    return found
+    """The recover checkpoint folders in ``folder`` (``checkpoints/step-N``): what an interrupted run resumes from,
+    never replaced by --force."""
+    sub = Path(folder) / "checkpoints"
+    if not sub.is_dir() or sub.is_symlink():
+        return []
+    return [str(entry.relative_to(folder)) for entry in sorted(sub.iterdir())
+            if _CHECKPOINT.match(entry.name) and entry.is_dir()]

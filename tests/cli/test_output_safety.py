@@ -85,7 +85,7 @@ def test_force_keeps_a_users_entry_named_like_a_run_file(name, llama_source, con
     assert name in _refused(_force(llama_source, out), "did not write", tmp_path, capsys)
 
 
-@pytest.mark.parametrize("where", ["checkpoints/step-000004", "step-000004"])
+@pytest.mark.parametrize("where", ["checkpoints/step-000004"])
 def test_force_refuses_a_folder_with_resumable_checkpoints(where, llama_source, converted, tmp_path, capsys,
                                                            stderr_logging):
     out = shutil.copytree(converted, tmp_path / "prev")

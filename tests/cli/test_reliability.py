@@ -757,7 +757,7 @@ def test_recover_checkpoint_save_on_a_full_disk(tiny_mla, tmp_path, capsys, monk
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: could not write"), err
     assert "No space left on device" in lines[-1] and "step-000002" in lines[-1]
-    assert sorted(p.name for p in run.iterdir()) == ["recover_config.json", "train_log.jsonl"]  # no staging folder
+    assert sorted(p.name for p in run.iterdir()) == [".mha2mla_files", "recover_config.json", "train_log.jsonl"]  # no staging folder
 
 
 def test_recover_export_on_a_full_disk(tiny_mla, tmp_path, capsys, monkeypatch, stderr_logging):

@@ -153,14 +153,14 @@ def test_cli_writes_table_json_and_plots(cli_report, capsys):
 
 def test_numbers_equal_a_direct_lm_eval_run(cli_report, models):
     """The report's numbers are those of lm-eval's own `hf` model loading the same folder with the attention
-    `mha2mla eval` loads converted models with (mha2mla/modeling/sdpa.py: the same attention as plain sdpa, whose
+    `mha2mla eval` loads converted models with (mha2mla/kernels/sdpa.py: the same attention as plain sdpa, whose
     float rounding differs)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from mha2mla.evaluation.harness import summarize
     from mha2mla.evaluation.tasks import bundled_task_dir
-    from mha2mla.modeling.sdpa import register_padded_sdpa
+    from mha2mla.kernels.sdpa import register_padded_sdpa
 
     report = json.loads((cli_report / "results.json").read_text())
     ours = next(m for m in report["models"] if m["role"] == "model")["tasks"]

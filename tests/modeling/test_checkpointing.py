@@ -12,7 +12,7 @@ from mha2mla.train import LoraSettings
 from mha2mla.train.data import pack_token_lists, target_mask
 from mha2mla.train.head_losses import micro_batch_losses
 from mha2mla.train.model import load_student
-from mha2mla.train.trainable import make_trainable
+from mha2mla.train.model.trainable import make_trainable
 
 
 def _batch():

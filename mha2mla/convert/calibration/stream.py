@@ -33,8 +33,8 @@ from mha2mla.convert.phases import phase
 from mha2mla.convert.plan.resolve import ConversionPlan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.devices import resolve_device
+from mha2mla.kernels.sdpa import register_padded_sdpa
 from mha2mla.modeling.eager import EAGER, register_eager
-from mha2mla.modeling.sdpa import register_padded_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _modules(config: dict, plan: ConversionPlan, device: torch.device) -> _Modul
         skeleton = AutoModelForCausalLM.from_config(source_config)
     target_config = deepseek_config_object(plan, config)
     # the value head is narrower than the query/key head: plain sdpa takes its math path there, the padded value runs
-    # the fused kernel (modeling/sdpa.py) -- on a GPU; on a CPU the eager softmax (modeling/eager.py), faster there
+    # the fused kernel (kernels/sdpa.py) -- on a GPU; on a CPU the eager softmax (modeling/eager.py), faster there
     # than that math path (docs/benchmarks.md, "conversion cost"), with the stream's ``target_mask``
     target_config._attn_implementation = {"cuda": register_padded_sdpa, "cpu": register_eager}.get(device.type, lambda: "sdpa")()
     return _Modules(source_config=source_config, target_config=target_config, layer_class=type(skeleton.model.layers[0]),

@@ -55,7 +55,7 @@ def load_student(folder: str | Path, attn_implementation: str = "sdpa", dtype: t
 def build_student(folder: str | Path, model_config: dict, attn_implementation: str = "sdpa",
                   dtype: torch.dtype = torch.float32, device_type: str = "cpu", compute_dtype: str = "float32"):
     """The converted DeepSeek-V3 MLA model of ``folder`` (``model_config``: its config.json, already read), in
-    ``dtype`` (fp32 master weights for training); ``sdpa`` runs as ``mha2mla_sdpa`` (mha2mla/modeling/sdpa.py) so
+    ``dtype`` (fp32 master weights for training); ``sdpa`` runs as ``mha2mla_sdpa`` (mha2mla/kernels/sdpa.py) so
     that the fused kernels serve MLA's unequal head dims."""
     if model_config.get("model_type") != "deepseek_v3":
         raise UserError(

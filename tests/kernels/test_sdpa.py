@@ -1,5 +1,5 @@
 """``mha2mla_sdpa``: the same attention as transformers' ``sdpa``/``eager`` for MLA's unequal head dims, through
-PyTorch's fused kernel instead of the math path (mha2mla/modeling/sdpa.py)."""
+PyTorch's fused kernel instead of the math path (mha2mla/kernels/sdpa.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mha2mla.evaluation.loading import load_model
-from mha2mla.modeling.sdpa import PADDED_SDPA, mla_attention_for
+from mha2mla.kernels.sdpa import PADDED_SDPA, mla_attention_for
 from mha2mla.train.model import load_student
 
 
