@@ -236,3 +236,8 @@ print("| check | result |\n|---|---|")
 for name, result in rows:
     print(f"| {name} | {result} |")
 EOF
+# --smoke is a test of this script (CI runs it): any phase that failed or was skipped fails it
+if [ "$SMOKE" = 1 ] && grep -hE " rc [1-9][0-9]*$|skipped(:|,) out of time|skipped or failed|convert failed" "$OUT_DIR"/*.txt; then
+  echo "gpu_check --smoke: the phases above failed"; exit 1
+fi
+exit 0
