@@ -76,17 +76,31 @@ def _version(package: str) -> str | None:
         return None
 
 
+def machine_name(cpu: str, flags: set[str], cpus: int | None) -> str | None:
+    """The name docs/benchmarks.md gives this kind of machine (its "Machines" line), or None for another kind."""
+    if cpus != 2:
+        return None
+    if cpu.startswith("AMD EPYC") and "avx512_bf16" in flags and "amx_bf16" not in flags:
+        return "A"
+    if cpu.startswith("Intel(R) Xeon") and "amx_bf16" in flags:
+        return "C"
+    return None
+
+
 def environment() -> dict:
     """What a figure depends on: machine, CPU and its flags, cores and threads, GPU, library versions, commit."""
     import torch
 
     info = _cpuinfo()
     flags = set(info.get("flags", "").split())
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "machine": platform.machine(),
-        "cpu": info.get("model name") or platform.processor() or platform.machine(),
+        "name": machine_name(cpu, flags, cpus),
+        "cpu": cpu,
         "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpus": cpus,
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "load_average": [round(load, 2) for load in os.getloadavg()] if hasattr(os, "getloadavg") else None,
@@ -230,8 +244,8 @@ def record(suite: str, settings: dict, figures: dict, env: dict | None = None, r
     env = env or environment()
     line = {
         "suite": suite, "question": QUESTIONS.get(_script(), ""), "command": command_line(),
-        "machine": {key: env.get(key) for key in ("cpu", "cpu_flags", "cpus", "torch_threads", "omp_num_threads",
-                                                   "load_average", "gpu")},
+        "machine": {key: env.get(key) for key in ("name", "cpu", "cpu_flags", "cpus", "torch_threads",
+                                                   "omp_num_threads", "load_average", "gpu") if key != "name" or env.get(key)},
         "commit": env.get("commit"),
         "versions": {key: env.get(key) for key in ("python", "torch", "transformers", "mha2mla")},
         "date": datetime.date.today().isoformat(), "settings": settings, "figures": figures, **({"run": run} if run else {}),
