@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                          "kjv x source": float(demo.group("ratio")) if demo else None,
                          "peak GiB": round(int(rss.group("kib")) / 2**20, 2) if rss else None})
             print(output[-3000:], file=sys.stderr)
-    harness.report("fresh-clone", {"commit cloned": commit}, rows, args.json_out,
+    harness.report("fresh-clone", {}, rows, args.json_out, commit=commit,
                    columns=["target", "exit code", "seconds", "tests", "pytest seconds", "kjv x source", "peak GiB"])
     return 0 if all(row["exit code"] == 0 for row in rows) else 1
 

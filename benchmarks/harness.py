@@ -258,11 +258,12 @@ def record(suite: str, settings: dict, figures: dict, env: dict | None = None, r
 
 
 def report(suite: str, settings: dict, rows: Sequence[dict], json_out: str | None = None,
-           columns: Sequence[str] | None = None, table: str | None = None, **extra) -> dict:
+           columns: Sequence[str] | None = None, table: str | None = None, commit: str | None = None, **extra) -> dict:
     """Print the suite's JSON record (environment, settings, results, ``extra``) and then its Markdown table
     (``table`` when given, else ``rows`` with ``columns``); write the JSON to ``json_out`` too when given; append
-    each row to the records file as one measurement (``record``)."""
-    env = environment()
+    each row to the records file as one measurement (``record``). ``commit``: the commit measured, where it is not
+    the checkout's (a fresh clone's)."""
+    env = environment() | ({"commit": commit} if commit else {})
     whole = {"suite": suite, "environment": env, "settings": settings, "results": list(rows), **extra}
     for row in rows:
         record(suite, settings, row, env, run=json.loads(json.dumps(extra, default=str)) if extra else None)
