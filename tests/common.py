@@ -178,3 +178,43 @@ def snapshot(root: Path) -> dict:
             else:
                 entries[str(path.relative_to(root))] = ("file", mode, hashlib.sha256(path.read_bytes()).hexdigest())
     return entries
+
+
+def one_error_line(err: str, needle: str) -> str:
+    """The one ``error:`` line of ``err``, which must name ``needle``: no traceback, nothing else on stderr."""
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    return lines[0]
+
+
+def refused(args, needle: str, root: Path, capsys, code: int = 2) -> str:
+    """Run the CLI with ``args``: exit ``code``, one ``error:`` line naming ``needle``, ``root`` byte-identical."""
+    before = snapshot(root)
+    got, _, err = run_cli(args, capsys)
+    assert got == code, err
+    line = one_error_line(err, needle)
+    assert snapshot(root) == before
+    return line
+
+
+def tiny_output(base: Path) -> Path:
+    """An mha2mla output folder under ``base``: a weight-only portable conversion of a tiny Llama whose tokenizer has
+    BPE merges (which export-gguf needs)."""
+    from mha2mla.convert.config import ConvertConfig
+    from mha2mla.convert.pipeline import convert
+
+    source = build_source(base / "src", "llama", num_heads=4, num_kv_heads=2, with_tokenizer=False)
+    tiny_tokenizer(384).save_pretrained(source)
+    convert(source, base / "mla", ConvertConfig(calib="none"), progress=False)
+    return base / "mla"
+
+
+class CharTokenizer:
+    """One token per character (its code point), EOS 0; encodes one text or a list, as a transformers tokenizer."""
+
+    eos_token_id = 0
+
+    def __call__(self, texts, add_special_tokens=False, verbose=False):
+        encode = lambda text: [ord(c) for c in text]  # noqa: E731
+        return {"input_ids": encode(texts) if isinstance(texts, str) else [encode(t) for t in texts]}

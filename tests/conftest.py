@@ -18,6 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import json
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
@@ -82,3 +83,12 @@ def stderr_logging():
     yield
     root.removeHandler(handler)
     root.setLevel(level)
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    """An empty MHA2MLA_CACHE inside the test's folder, so what the GGUF cache leaves is part of the snapshot."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("MHA2MLA_CACHE", str(cache))
+    return cache

@@ -69,14 +69,6 @@ def tiny_gguf(llama_source, tmp_path_factory) -> Path:
     return write_llama_gguf(llama_source, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch) -> Path:
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    monkeypatch.setenv("MHA2MLA_CACHE", str(cache))
-    return cache
-
-
 def _cli(args, tmp_path: Path, terminal: bool) -> tuple[int, str]:
     """``mha2mla ARGS`` in a fresh process with its own cache; stderr a pipe, or a terminal 120 columns wide."""
     env = {**os.environ, "MHA2MLA_CACHE": str(tmp_path / "cache")}

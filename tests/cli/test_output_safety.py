@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import SAMPLE_TEXT, build_source, run_cli, snapshot, tiny_tokenizer
+from common import SAMPLE_TEXT, refused, run_cli, tiny_output
 
 from mha2mla.io.staging import NAME_MAX, _host, remove_stale, staging_name, staging_path
 from mha2mla.io.written import MANIFEST, record_written, written_names
@@ -27,33 +27,10 @@ from mha2mla.train.state import checkpoint as ckpt
 LONG = "m" * 240  # a legal name; its staging name would be about 280 bytes written out in full
 
 
-def _one_line(err: str, needle: str) -> str:
-    lines = err.strip().splitlines()
-    assert "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
-    return lines[0]
-
-
-def _refused(args, needle: str, root: Path, capsys) -> str:
-    before = snapshot(root)
-    code, _, err = run_cli(args, capsys)
-    assert code == 2, err
-    line = _one_line(err, needle)
-    assert snapshot(root) == before
-    return line
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
-    """An mha2mla output folder (portable conversion of a tiny Llama). Shared: tests copy it before changing it."""
-    from mha2mla.convert.config import ConvertConfig
-    from mha2mla.convert.pipeline import convert
-
-    base = tmp_path_factory.mktemp("output_safety")
-    source = build_source(base / "src", "llama", num_heads=4, num_kv_heads=2, with_tokenizer=False)
-    tiny_tokenizer(384).save_pretrained(source)  # with BPE merges, which export-gguf needs
-    convert(source, base / "mla", ConvertConfig(calib="none"), progress=False)
-    return base / "mla"
+    """An mha2mla output folder. Shared: tests copy it before changing it."""
+    return tiny_output(tmp_path_factory.mktemp("output_safety"))
 
 
 @pytest.fixture
@@ -73,7 +50,7 @@ def test_force_keeps_a_users_checkpoints_folder(llama_source, converted, tmp_pat
     out = shutil.copytree(converted, tmp_path / "prev")
     (out / "checkpoints").mkdir()
     (out / "checkpoints" / "my_model.bin").write_text("mine\n")
-    line = _refused(_force(llama_source, out), "did not write", tmp_path, capsys)
+    line = refused(_force(llama_source, out), "did not write", tmp_path, capsys)
     assert "checkpoints/" in line
 
 
@@ -82,7 +59,7 @@ def test_force_keeps_a_users_entry_named_like_a_run_file(name, llama_source, con
                                                          stderr_logging):
     out = shutil.copytree(converted, tmp_path / "prev")
     (out / name).write_text("mine\n")
-    assert name in _refused(_force(llama_source, out), "did not write", tmp_path, capsys)
+    assert name in refused(_force(llama_source, out), "did not write", tmp_path, capsys)
 
 
 @pytest.mark.parametrize("where", ["checkpoints/step-000004"])
@@ -92,7 +69,7 @@ def test_force_refuses_a_folder_with_resumable_checkpoints(where, llama_source, 
     (out / where).mkdir(parents=True)
     (out / where / "trainer_state.json").write_text('{"step": 4}\n')
     record_written(out, {where.split("/")[0]: None})  # mha2mla's own, as a recover run lists them
-    line = _refused(_force(llama_source, out), "checkpoints of a recover run", tmp_path, capsys)
+    line = refused(_force(llama_source, out), "checkpoints of a recover run", tmp_path, capsys)
     assert where in line and "--resume auto" in line
 
 
@@ -100,7 +77,7 @@ def test_force_refuses_a_hand_edited_model_card(llama_source, converted, tmp_pat
     out = shutil.copytree(converted, tmp_path / "prev")
     with open(out / "README.md", "a") as card:
         card.write("\n## My results\n")
-    _refused(_force(llama_source, out), "model card mha2mla wrote (README.md), edited since", tmp_path, capsys)
+    refused(_force(llama_source, out), "model card mha2mla wrote (README.md), edited since", tmp_path, capsys)
 
 
 def test_force_replaces_an_unchanged_output_and_lists_it_again(llama_source, converted, tmp_path, capsys):
@@ -161,9 +138,9 @@ def test_convert_and_export_to_a_240_character_name(llama_source, converted, tmp
 
 
 def test_a_name_longer_than_the_file_system_allows(llama_source, converted, tmp_path, capsys, stderr_logging):
-    _refused(["convert", llama_source, tmp_path / ("m" * 300), "--calib", "none"], "longer than the 255 bytes",
+    refused(["convert", llama_source, tmp_path / ("m" * 300), "--calib", "none"], "longer than the 255 bytes",
              tmp_path, capsys)
-    _refused(["export-gguf", converted, tmp_path / ("m" * 300 + ".gguf")], "longer than the 255 bytes", tmp_path,
+    refused(["export-gguf", converted, tmp_path / ("m" * 300 + ".gguf")], "longer than the 255 bytes", tmp_path,
              capsys)
 
 
@@ -213,7 +190,7 @@ def test_a_quoted_tilde_is_checked_where_it_is_written(llama_source, tmp_path, c
     (tmp_path / "home" / "x").write_text("a file\n")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    _refused(["convert", llama_source, "~/x", "--calib", "none"], "OUT ~/x is a file", tmp_path, capsys)
+    refused(["convert", llama_source, "~/x", "--calib", "none"], "OUT ~/x is a file", tmp_path, capsys)
 
 
 # ---- eval never writes into a model folder --------------------------------------------------------------------------
@@ -221,14 +198,14 @@ def test_a_quoted_tilde_is_checked_where_it_is_written(llama_source, tmp_path, c
 def test_eval_out_below_a_model_folder(converted, text, tmp_path, capsys, stderr_logging):
     model = shutil.copytree(converted, tmp_path / "model")
     args = ["eval", converted, "--text", text, "--text-tokens", "64", "--out", model / "sub"]
-    _refused(args, "lies inside the model folder", tmp_path, capsys)
+    refused(args, "lies inside the model folder", tmp_path, capsys)
 
 
 def test_eval_from_inside_a_model_folder_with_the_default_out(converted, text, tmp_path, capsys, monkeypatch,
                                                               stderr_logging):
     model = shutil.copytree(converted, tmp_path / "model")
     monkeypatch.chdir(model)
-    line = _refused(["eval", converted, "--text", text, "--text-tokens", "64"], "lies inside the model folder",
+    line = refused(["eval", converted, "--text", text, "--text-tokens", "64"], "lies inside the model folder",
                     tmp_path, capsys)
     assert "--out ../model-eval" in line
 
@@ -240,7 +217,7 @@ def test_eval_keeps_a_hand_edited_report(converted, text, tmp_path, capsys, stde
     assert code == 0, err
     with open(folder / "results.md", "a") as table:
         table.write("\nmy notes\n")
-    _refused(args, "results.md, changed since mha2mla eval wrote it", tmp_path, capsys)
+    refused(args, "results.md, changed since mha2mla eval wrote it", tmp_path, capsys)
 
 
 # ---- a device file is neither a file nor a folder ------------------------------------------------------------------
@@ -261,5 +238,5 @@ def test_eval_keeps_a_hand_edited_report(converted, text, tmp_path, capsys, stde
 ], ids=["convert-out", "convert-under", "export-out", "eval-out", "eval-text", "convert-source", "inspect-source",
         "eval-model", "convert-calib", "recover-data", "recover-teacher", "convert-recipe"])
 def test_a_device_is_called_what_it_is(command, llama_source, converted, text, tmp_path, capsys, stderr_logging):
-    _refused(command(llama_source, converted, text), "is not a regular", tmp_path, capsys)
+    refused(command(llama_source, converted, text), "is not a regular", tmp_path, capsys)
     assert not text.with_name("out").exists()

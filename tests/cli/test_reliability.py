@@ -459,15 +459,6 @@ ISSUE_29_CASES = [
 ]
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch) -> Path:
-    """An empty MHA2MLA_CACHE inside the test's folder, so what the GGUF cache leaves is part of the snapshot."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    monkeypatch.setenv("MHA2MLA_CACHE", str(cache))
-    return cache
-
-
 @pytest.mark.parametrize("case", ISSUE_29_CASES, ids=lambda case: case.__name__)
 def test_other_commands_refuse_with_one_sentence(case, llama_source, converted, tmp_path, private_cache, capsys, monkeypatch,
                                                  stderr_logging):

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from common import SAMPLE_TEXT, build_source, run_cli, snapshot, tiny_tokenizer
+from common import SAMPLE_TEXT, refused, run_cli, snapshot, tiny_output
 
 from mha2mla.io.written import MANIFEST, written_names
 
@@ -28,33 +28,10 @@ def _last_line(err: str, needle: str) -> None:
     assert last.startswith("error: ") and needle in last and "error:" not in err.strip()[: -len(last)], err
 
 
-def _one_line(err: str, needle: str) -> str:
-    lines = err.strip().splitlines()
-    assert "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
-    return lines[0]
-
-
-def _refused(args, needle: str, root: Path, capsys, code: int = 2) -> str:
-    before = snapshot(root)
-    got, _, err = run_cli(args, capsys)
-    assert got == code, err
-    line = _one_line(err, needle)
-    assert snapshot(root) == before
-    return line
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
-    """An mha2mla output folder (portable conversion of a tiny Llama). Shared: tests copy it before changing it."""
-    from mha2mla.convert.config import ConvertConfig
-    from mha2mla.convert.pipeline import convert
-
-    base = tmp_path_factory.mktemp("user_files")
-    source = build_source(base / "src", "llama", num_heads=4, num_kv_heads=2, with_tokenizer=False)
-    tiny_tokenizer(384).save_pretrained(source)  # with BPE merges, which export-gguf needs
-    convert(source, base / "mla", ConvertConfig(calib="none"), progress=False)
-    return base / "mla"
+    """An mha2mla output folder. Shared: tests copy it before changing it."""
+    return tiny_output(tmp_path_factory.mktemp("user_files"))
 
 
 @pytest.fixture
@@ -78,7 +55,7 @@ def test_force_refuses_an_output_holding_the_users_files(llama_source, converted
     (out / "my_notes.txt").write_text("what I found\n")
     (out / "results").mkdir()
     (out / "results" / "table.csv").write_text("a,b\n")
-    line = _refused(["convert", llama_source, out, "--calib", "none", "--force"], "did not write", tmp_path, capsys)
+    line = refused(["convert", llama_source, out, "--calib", "none", "--force"], "did not write", tmp_path, capsys)
     assert "my_notes.txt" in line and "results/" in line
 
 
@@ -86,7 +63,7 @@ def test_force_refuses_an_output_written_before_manifests(llama_source, converte
     out = shutil.copytree(converted, tmp_path / "out")
     (out / MANIFEST).unlink()  # an output of an mha2mla without the list: no name is taken as its own by its shape
     (out / "my_notes.txt").write_text("what I found\n")
-    line = _refused(["convert", llama_source, out, "--calib", "none", "--force"], "delete it by hand", tmp_path, capsys)
+    line = refused(["convert", llama_source, out, "--calib", "none", "--force"], "delete it by hand", tmp_path, capsys)
     assert MANIFEST in line
 
 
@@ -103,12 +80,12 @@ def test_eval_out_keeps_a_users_results_md(converted, text, tmp_path, capsys, st
     folder = tmp_path / "reports"
     folder.mkdir()
     (folder / "results.md").write_text("# my own results\n")
-    _refused(["eval", converted, "--text", text, "--text-tokens", "64", "--out", folder], "results.md", tmp_path, capsys)
+    refused(["eval", converted, "--text", text, "--text-tokens", "64", "--out", folder], "results.md", tmp_path, capsys)
 
 
 def test_eval_out_refuses_a_model_folder(converted, text, tmp_path, capsys, stderr_logging):
     model = shutil.copytree(converted, tmp_path / "model")
-    _refused(["eval", converted, "--text", text, "--text-tokens", "64", "--out", model], "is a model folder", tmp_path,
+    refused(["eval", converted, "--text", text, "--text-tokens", "64", "--out", model], "is a model folder", tmp_path,
              capsys)
 
 
@@ -207,25 +184,25 @@ def _truncated(converted: Path, where: Path, name: str = "model.safetensors") ->
 
 def test_eval_on_a_truncated_model(converted, text, tmp_path, capsys, stderr_logging):
     model = _truncated(converted, tmp_path / "model")
-    _refused(["eval", model, "--text", text, "--text-tokens", "64", "--out", tmp_path / "r"], "is damaged", tmp_path,
+    refused(["eval", model, "--text", text, "--text-tokens", "64", "--out", tmp_path / "r"], "is damaged", tmp_path,
              capsys)
 
 
 def test_recover_on_a_truncated_model(converted, text, tmp_path, capsys, stderr_logging):
     model = _truncated(converted, tmp_path / "model")
-    _refused(["recover", model, "--data", text, "--out", tmp_path / "run", "--max-steps", "1"], "is damaged",
+    refused(["recover", model, "--data", text, "--out", tmp_path / "run", "--max-steps", "1"], "is damaged",
              tmp_path, capsys)
 
 
 def test_generate_on_garbage_absorbed_weights(converted, tmp_path, capsys, stderr_logging):
     model = shutil.copytree(converted, tmp_path / "model")
     (model / "absorbed.safetensors").write_bytes(os.urandom(4096))
-    _refused(["generate", model, "-p", "the"], "absorbed.safetensors is damaged", tmp_path, capsys)
+    refused(["generate", model, "-p", "the"], "absorbed.safetensors is damaged", tmp_path, capsys)
 
 
 def test_every_command_names_the_same_damage(converted, text, tmp_path, capsys, stderr_logging):
     model = _truncated(converted, tmp_path / "model")
-    lines = {command: _refused(args, "is damaged", tmp_path, capsys) for command, args in {
+    lines = {command: refused(args, "is damaged", tmp_path, capsys) for command, args in {
         "convert": ["convert", model, tmp_path / "out", "--calib", "none"],
         "generate": ["generate", model, "-p", "the"],
         "eval": ["eval", model, "--text", text, "--out", tmp_path / "r"],
@@ -237,20 +214,20 @@ def test_every_command_names_the_same_damage(converted, text, tmp_path, capsys, 
 
 def test_recipe_of_non_utf8_bytes(llama_source, tmp_path, capsys, stderr_logging):
     (tmp_path / "recipe.yaml").write_bytes(b"convert:\n  kv_budget: 0.25\n\xff\xfe\x00garbage\n")
-    _refused(["convert", llama_source, tmp_path / "out", "--recipe", tmp_path / "recipe.yaml"], "is not UTF-8",
+    refused(["convert", llama_source, tmp_path / "out", "--recipe", tmp_path / "recipe.yaml"], "is not UTF-8",
              tmp_path, capsys)
 
 
 def test_recipe_that_is_a_folder(llama_source, tmp_path, capsys, stderr_logging):
     (tmp_path / "recipes").mkdir()
-    _refused(["convert", llama_source, tmp_path / "out", "--recipe", tmp_path / "recipes"], "is a folder", tmp_path,
+    refused(["convert", llama_source, tmp_path / "out", "--recipe", tmp_path / "recipes"], "is a folder", tmp_path,
              capsys)
 
 
 def test_generate_refuses_a_device_before_reading_the_model(tmp_path, capsys, stderr_logging):
     model = tmp_path / "model"
     model.mkdir()  # nothing to load: the device is refused first
-    _refused(["generate", model, "-p", "the", "--device", "toaster"], "'toaster' is not a device", tmp_path, capsys)
+    refused(["generate", model, "-p", "the", "--device", "toaster"], "'toaster' is not a device", tmp_path, capsys)
 
 
 @pytest.mark.parametrize("command", ["convert", "inspect", "eval", "recover", "generate", "export-gguf"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import SAMPLE_TEXT, run_cli, snapshot
+from common import SAMPLE_TEXT, CharTokenizer, run_cli, snapshot
 
 from mha2mla import UserError
 from mha2mla.io import pieces as pieces_module
@@ -24,16 +24,6 @@ from mha2mla.train.data.packing import pack_token_lists
 from mha2mla.train.data.stream import StreamRows, prepare_stream
 
 SEQ_LEN = 8
-
-
-class CharTokenizer:
-    """One token per character (its code point), EOS 0; encodes one text or a list, as a transformers tokenizer."""
-
-    eos_token_id = 0
-
-    def __call__(self, texts, add_special_tokens=False, verbose=False):
-        encode = lambda text: [ord(c) for c in text]  # noqa: E731
-        return {"input_ids": encode(texts) if isinstance(texts, str) else [encode(t) for t in texts]}
 
 
 def _words(count: int, first: int = 0) -> str:
