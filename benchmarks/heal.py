@@ -224,7 +224,9 @@ def _source_scores(work: Path, num_tokens: int, items: int | None = None) -> dic
     """The source's scores (the dequantized GGUF), computed once per slice length and item count into WORK."""
     path = work / f"source_scores_{num_tokens}_{items}.json"
     if not path.is_file():
-        path.write_text(json.dumps(model_scores(harness.source_model(), num_tokens, items=items)))
+        scores = model_scores(harness.source_model(), num_tokens, items=items)
+        work.mkdir(parents=True, exist_ok=True)  # `score` may come before `prepare`
+        path.write_text(json.dumps(scores))
     return json.loads(path.read_text())
 
 
