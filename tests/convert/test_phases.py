@@ -60,7 +60,7 @@ def test_a_calibrated_conversion_reports_every_phase(tmp_path):
                 "writing", "other"}
     assert set(seconds) == expected and set(cpu_seconds) == expected
     assert all(value >= 0 for value in seconds.values())
-    assert seconds["reconstruction"] > 0 and seconds["statistics"] > 0
+    assert seconds["reconstruction"] > 0  # 160 gradient steps: never under the report's 0.01 s rounding
     # the phases cover the clock's span, which lies inside the whole conversion
     assert sum(seconds.values()) <= report["elapsed_seconds"] + 0.05 * len(seconds)
     assert result.report.phase_seconds == seconds
