@@ -38,6 +38,7 @@ from itertools import islice
 from pathlib import Path
 
 from mha2mla import UserError
+from mha2mla.io.model_folder import NOT_REGULAR
 
 PLAIN_SUFFIXES = (".txt", ".md", ".rst")
 TEXT_SUFFIXES = (*PLAIN_SUFFIXES, ".jsonl", ".json", ".parquet")
@@ -95,7 +96,7 @@ def resolve_files(spec: str) -> list[Path]:
             raise UserError(f"{path} is not a {_SUFFIX_LIST} file; convert it to one of those or give a folder of them.")
         return [path]
     if not path.is_dir():
-        raise UserError(f"{path} is not a regular file or folder (a device, a pipe or a socket); give a {_SUFFIX_LIST} "
+        raise UserError(f"{path} is {NOT_REGULAR}; give a {_SUFFIX_LIST} "
                         "file, a folder of them, or a Hugging Face dataset id.")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:

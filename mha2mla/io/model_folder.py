@@ -15,6 +15,8 @@ from pathlib import Path
 
 from mha2mla import UserError
 
+# what an existing path that is neither a file nor a folder is, in every sentence that names one
+NOT_REGULAR = "not a regular file or folder (a device, a pipe or a socket)"
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
@@ -59,8 +61,7 @@ def source_kind(spec: str | Path) -> str:
             raise UserError(f"{path} is a file but not a {GGUF_SUFFIX}; pass a model folder, a .gguf file or a hub id.")
         return "gguf"
     if path.exists():  # a device, a pipe or a socket
-        raise UserError(f"{path} is not a regular file or folder (a device, a pipe or a socket); pass a model folder, "
-                        "a .gguf file or a hub id.")
+        raise UserError(f"{path} is {NOT_REGULAR}; pass a model folder, a .gguf file or a hub id.")
     if looks_like_hub_id(str(spec)):
         return "hub"
     raise UserError(f"{spec} does not exist; pass a model folder, a .gguf file or a hub id.")

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import CARD_FILE
+from mha2mla.io.model_folder import CARD_FILE, NOT_REGULAR
 from mha2mla.io.staging import NAME_MAX, discard_aside, move_aside, put_back, remove_stale, staging_path
 from mha2mla.io.written import (
     MANIFEST,
@@ -63,7 +63,7 @@ def what_it_is(path: Path) -> str:
         return "a folder"
     if path.is_file():
         return "a file"
-    return "not a regular file or folder (a device, a pipe or a socket)"
+    return NOT_REGULAR
 
 
 def check_name_length(out: str | Path, name: str = "OUT") -> None:

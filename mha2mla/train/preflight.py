@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import GGUF_SUFFIX, check_model_folder
+from mha2mla.io.model_folder import GGUF_SUFFIX, NOT_REGULAR, check_model_folder
 from mha2mla.io.output import check_destination
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.devices import Devices
@@ -56,8 +56,7 @@ def preflight(config: RecoverConfig, resume: str | None, devices: Devices) -> Pl
         if teacher.is_dir():
             check_model_folder(teacher, hint=STUDENT_HINT)
         elif not teacher.is_file():
-            raise UserError(f"teacher {config.teacher} is not a regular file or folder (a device, a pipe or a socket); "
-                            "give the source model folder or its .gguf file.")
+            raise UserError(f"teacher {config.teacher} is {NOT_REGULAR}; give the source model folder or its .gguf file.")
     inputs = [("the model being recovered", config.model), ("the teacher", config.teacher)]
     inputs += [("the training data", spec) for spec in config.data or []]
     inputs += [("the held-out data", spec) for spec in config.eval_data or []]
