@@ -34,15 +34,10 @@ from pathlib import Path
 import harness
 from harness import HELD_OUT_SLICES as SLICES
 from harness import SLICE_TOKENS
+from heal_scores import model_scores, ratios, score_table, source_scores
 
 CURVE_TOKENS = 2048
 CURVE_SCORE_TOKENS = 4096  # per slice, for each checkpoint of ``curve``
-IN_DOMAIN_SLICES = SLICES  # the texts whose first 30% the in-domain healing text reads
-UNSEEN_SLICES = ("fortunes", "debian_policy")  # texts no healing text reads (mha2mla.io.cache.UNSEEN_TEXTS)
-DOMAINS = (*IN_DOMAIN_SLICES, *UNSEEN_SLICES)
-DOMAIN_LABEL = {**dict.fromkeys(IN_DOMAIN_SLICES, "in-domain"), **dict.fromkeys(UNSEEN_SLICES, "unseen")}
-MC_TEXTS = UNSEEN_SLICES  # the continuation tasks fortunes_mc, debian_policy_mc
-MC_TASKS = tuple(f"{name}_mc" for name in MC_TEXTS)
 
 
 def prepare(work: Path) -> None:
@@ -124,56 +119,6 @@ def run(work: Path, name: str, converted: str, extra: list[str], no_data: bool) 
     print(json.dumps(record))
 
 
-def continuation_accuracy(model, tokenizer, text: str, limit: int | None = None) -> dict:
-    """``acc`` and ``acc_norm`` on the four-way continuation items of ``text`` (the first ``limit``), the items of the
-    fortunes_mc / debian_policy_mc tasks (``continuation_items``), scored as lm-eval scores them: the log-likelihood
-    of " " + choice after the context (the context's tokens, then the rest of the whole text's), acc_norm per byte.
-    An item's four choices go through one forward, right-padded (a causal model's earlier positions ignore the pad)."""
-    import torch
-
-    from mha2mla.evaluation.continuation_items import continuation_items
-
-    right = right_norm = 0
-    items = continuation_items(text)[:limit]
-    for item in items:
-        start = len(tokenizer(item["context"], add_special_tokens=False)["input_ids"])
-        wholes = [tokenizer(item["context"] + " " + c, add_special_tokens=False)["input_ids"] for c in item["choices"]]
-        width = max(len(whole) for whole in wholes)
-        ids = torch.tensor([whole + [whole[-1]] * (width - len(whole)) for whole in wholes])  # (4, L)
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)  # (4, L-1, V)
-        picked = logprobs.gather(2, ids[:, 1:, None])[..., 0]  # (4, L-1): each next token's log-probability
-        totals = [picked[i, start - 1:len(whole) - 1].sum().item() for i, whole in enumerate(wholes)]
-        per_byte = [total / len((" " + c).encode("utf-8")) for total, c in zip(totals, item["choices"])]
-        right += max(range(4), key=totals.__getitem__) == item["answer"]
-        right_norm += max(range(4), key=per_byte.__getitem__) == item["answer"]
-    return {"acc": right / len(items), "acc_norm": right_norm / len(items), "items": len(items)}
-
-
-def model_scores(folder: Path | str, num_tokens: int, state: dict | None = None, items: int | None = None) -> dict:
-    """Perplexity on every slice (DOMAINS) and accuracy on the first ``items`` items (None: all, 0: no task) of both
-    continuation tasks of the model in ``folder`` (float32), ``state`` (a checkpoint's trainable weights) loaded
-    over it when given."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mha2mla.evaluation.perplexity import held_out_perplexity
-    from mha2mla.io.cache import cached_held_out_text
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    if state is not None:
-        missing = set(state) - set(model.state_dict())
-        assert not missing, f"checkpoint weights the model lacks: {sorted(missing)[:3]}"
-        model.load_state_dict(state, strict=False)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    scores = {name: held_out_perplexity(model, tokenizer, cached_held_out_text(name), num_tokens=num_tokens)
-              for name in DOMAINS}
-    for name in MC_TEXTS if items != 0 else ():
-        text = cached_held_out_text(name).read_text(encoding="utf-8")
-        scores[f"{name}_mc"] = continuation_accuracy(model, tokenizer, text, items)
-    return scores
-
-
 def step(converted: str, lr: float, json_out: str | None = None) -> None:
     """How one AdamW-sized step moves the loss, weight kind by weight kind: the first AdamW step moves every entry
     by the learning rate against its gradient's sign, so each kind (q_proj, kv_b_proj, ... over every layer) is
@@ -214,45 +159,14 @@ def step(converted: str, lr: float, json_out: str | None = None) -> None:
                    columns=["kind", "converted", "balanced"])
 
 
-def _ratios(scores: dict, source: dict) -> dict:
-    """Each slice's perplexity as a multiple of the source's, each task's accuracy minus the source's (points)."""
-    return {**{name: round(scores[name] / source[name], 3) for name in DOMAINS},
-            **{f"{t}_points": round(100 * (scores[t]["acc"] - source[t]["acc"]), 1) for t in MC_TASKS if t in scores}}
-
-
-def _source_scores(work: Path, num_tokens: int, items: int | None = None) -> dict:
-    """The source's scores (the dequantized GGUF), computed once per slice length and item count into WORK."""
-    path = work / f"source_scores_{num_tokens}_{items}.json"
-    if not path.is_file():
-        scores = model_scores(harness.source_model(), num_tokens, items=items)
-        work.mkdir(parents=True, exist_ok=True)  # `score` may come before `prepare`
-        path.write_text(json.dumps(scores))
-    return json.loads(path.read_text())
-
-
-def _table(rows: list[dict], source: dict, first: str) -> str:
-    """The Markdown table: perplexity (× source) on the in-domain then the unseen slices, then MC accuracy."""
-    tasks = [t for t in MC_TASKS if t in source and any(t in row["scores"] for row in rows)]
-    head = [f"{DOMAIN_LABEL[n]}: {n} ppl (×)" for n in DOMAINS] + [f"unseen: {t} acc (points)" for t in tasks]
-    cells = [f"{source[n]:.2f}" for n in DOMAINS] + [f"{source[t]['acc']:.2f}" for t in tasks]
-    lines = [f"| {first} | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head), "| source | " + " | ".join(cells)
-             + " |"]
-    for row in rows:
-        s, r = row["scores"], row["x_source"]
-        cells = [f"{s[n]:.2f} (×{r[n]:.3f})" for n in DOMAINS]
-        cells += [f"{s[t]['acc']:.2f} ({r[t + '_points']:+.1f})" if t in s else "" for t in tasks]
-        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def score(work: Path, names: list[str], converted: list[str], json_out: str | None = None,
           num_tokens: int = SLICE_TOKENS, items: int | None = None) -> None:
     """In-domain and unseen-domain scores of the source, of each converted starting point and of each run's output."""
-    source = _source_scores(work, num_tokens, items)
+    source = source_scores(work, num_tokens, items)
     rows = []
     for label, folder in [*((Path(c).name, Path(c)) for c in converted), *((n, work / n) for n in names)]:
         row = {"label": label, "scores": model_scores(folder, num_tokens, items=items)}
-        row["x_source"] = _ratios(row["scores"], source)
+        row["x_source"] = ratios(row["scores"], source)
         report = folder / "recovery_report.json"
         if report.is_file():
             data = json.loads(report.read_text())
@@ -263,7 +177,7 @@ def score(work: Path, names: list[str], converted: list[str], json_out: str | No
                 row["wall_seconds"] = sum(json.loads(line)["wall_seconds"] for line in walls.read_text().splitlines())
         rows.append(row)
     harness.report("recovery", {"work": str(work), "slice_tokens": num_tokens, "items": items}, rows, json_out,
-                   table=_table(rows, source, "model"), source_scores=source)
+                   table=score_table(rows, source, "model"), source_scores=source)
 
 
 def curve(work: Path, name: str, converted: str, json_out: str | None = None, num_tokens: int = CURVE_SCORE_TOKENS,
@@ -273,7 +187,7 @@ def curve(work: Path, name: str, converted: str, json_out: str | None = None, nu
     output; the last of these also on the first ``items`` items of the continuation tasks (0: none)."""
     from safetensors.torch import load_file
 
-    source = _source_scores(work, num_tokens, items)
+    source = source_scores(work, num_tokens, items)
     steps = [p for p in sorted((work / name / "checkpoints").glob("step-*")) if int(p.name[5:]) % every == 0]
     points = [("0", converted, None), *((p.name[5:].lstrip("0"), converted, p / "trainable.safetensors") for p in steps)]
     if (work / name / "model.safetensors").is_file():
@@ -282,9 +196,9 @@ def curve(work: Path, name: str, converted: str, json_out: str | None = None, nu
     for index, (label, folder, state) in enumerate(points):  # the tasks on the last point only
         scores = model_scores(folder, num_tokens, load_file(str(state)) if state else None,
                               items if index == len(points) - 1 else 0)
-        rows.append({"label": f"{name} step {label}", "scores": scores, "x_source": _ratios(scores, source)})
+        rows.append({"label": f"{name} step {label}", "scores": scores, "x_source": ratios(scores, source)})
     harness.report("recovery-curve", {"run": name, "slice_tokens": num_tokens}, rows, json_out,
-                   table=_table(rows, source, "checkpoint"), source_scores=source)
+                   table=score_table(rows, source, "checkpoint"), source_scores=source)
 
 
 REGIONS = {"kjv": (0.1, 0.333, 0.6), "python_docs": (0.02, 0.08, 0.13, 0.2, 0.25, 0.333, 0.5, 0.75)}
