@@ -17,8 +17,27 @@ import sys
 import time
 
 import harness
+from kernels_compile import compile_report
 
 DEVICE = "cuda"
+
+
+# (name, B, H, T, d_n, d_r, d_v) of the prefill cases, (name, B, H, T, d_n, d_r, d_v, r) of the decode cases
+PREFILL_SHAPES = (
+    ("deepseek-H32", 1, 32, 4096, 128, 64, 128),
+    ("deepseek-H128", 1, 128, 2048, 128, 64, 128),
+    ("smollm2-mla-dr16", 4, 9, 2048, 64, 16, 64),
+    ("smollm2-mla-dr32", 4, 9, 2048, 64, 32, 64),
+)
+DECODE_SHAPES = (
+    ("deepseek-H128-r512", 32, 128, 4096, 128, 64, 128, 512),
+    ("deepseek-H32-r512", 64, 32, 8192, 128, 64, 128, 512),
+    ("deepseek-H128-r512-B1", 1, 128, 32768, 128, 64, 128, 512),
+    ("smollm2-mla-r128", 64, 9, 4096, 64, 32, 64, 128),
+    ("smollm2-mla-r480", 64, 9, 4096, 64, 16, 64, 480),
+)
+SMOKE_PREFILL_SHAPES = (("smoke", 1, 2, 64, 16, 16, 16),)  # --smoke: tiny shapes on the CPU
+SMOKE_DECODE_SHAPES = (("smoke", 2, 3, 64, 16, 16, 16, 24),)
 
 
 def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -120,103 +139,6 @@ def decode_case(name, batch, heads, tokens, d_nope, d_rope, d_v, rank, hbm_tb_s,
     return result
 
 
-FP32_POINTERS = {"LSE", "DELTA", "DKP", "O_PART", "LSE_PART"}
-INT_POINTERS = {"QSEG", "KSEG", "KVLO", "QHI", "SEQ_LEN"}
-
-
-def compile_resources(kernel, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """Compile one kernel for an H100/H200 (sm_90) without a GPU and read its resources from the cubin:
-    registers per thread, local memory (spills), shared memory, and the wgmma (Hopper tensor-core) instructions."""
-    import inspect
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(inspect.signature(kernel.fn).parameters.items())
-    signature = {}
-    for name, param in names:
-        if "constexpr" in str(param.annotation):
-            signature[name] = "constexpr"
-        elif name.isupper():
-            signature[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT_POINTERS else "*bf16"
-        else:
-            signature[name] = "fp32" if name.startswith("scale") else "i32"
-    positions = {name: index for index, (name, _) in enumerate(names)}
-    source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(positions[k],): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
-        handle.write(compiled.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", handle.name], capture_output=True, text=True).stdout
-    os.unlink(handle.name)
-    fields = dict(item.split(":", 1) for item in usage.split("Function", 1)[-1].split() if ":" in item)
-    return {"registers": int(fields.get("REG", -1)),
-            "local_bytes": max(int(fields.get("LOCAL", -1)), int(fields.get("STACK", -1))),  # spills
-            "shared_bytes": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async")}
-
-
-def compile_report(which: str = "all") -> list[dict]:
-    """Every training-kernel candidate (mha2mla/kernels/tuning.py; ``which`` "table": the first of each width only)
-    and the decode's tiles at the benchmark head dims, compiled for sm_90: what each would hold on an H200, before
-    any GPU time is spent."""
-    from mha2mla.kernels import flash_mla_kernels as flash
-    from mha2mla.kernels import tuning
-    from mha2mla.kernels.decode import _decode_split_kernel
-
-    rows = []
-    common = {"CAUSAL": True, "HAS_SEGMENTS": False, "UPCAST": False, "PRECISION": "tf32"}
-    for label, (d_n, d_r, d_v) in (("smollm2-mla", (64, 32, 64)), ("deepseek", (128, 64, 128))):
-        dims = {"BLOCK_DN": tuning.next_power_of_two(d_n), "BLOCK_DR": tuning.next_power_of_two(d_r),
-                "BLOCK_DV": tuning.next_power_of_two(d_v)}
-        candidates = tuning.flash_candidates(d_n, d_r, d_v, interpreting=False)
-        for index, config in enumerate(candidates[:1] if which == "table" else candidates):
-            passes = (
-                ("forward", flash._flash_mla_fwd_kernel, config.block_m, config.block_n, config.num_warps,
-                 config.num_stages),
-                ("dk/dv", flash._flash_mla_bwd_dkv_kernel, config.bwd_block_m, config.bwd_block_n,
-                 config.bwd_num_warps, config.bwd_num_stages),
-                ("dq", flash._flash_mla_bwd_dq_kernel, config.bwd_block_n, config.bwd_block_m, config.bwd_num_warps,
-                 config.bwd_num_stages),
-            )
-            for name, kernel, block_m, block_n, warps, stages in passes:
-                constexprs = {**common, **dims, "BLOCK_M": block_m, "BLOCK_N": block_n}
-                if name == "dk/dv":
-                    constexprs["ONE_HEAD"] = True  # one head per program, the GPU's default
-                row = {"shape": label, "candidate": index, "kernel": name, "tiles": f"{block_m}x{block_n}",
-                       "warps": warps, "stages": stages}
-                try:
-                    row.update(compile_resources(kernel, constexprs, warps, stages))
-                except Exception as error:  # a config the compiler rejects is reported, not fatal
-                    row["error"] = f"{type(error).__name__}: {str(error)[:120]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    for heads, rank, d_rope in ((128, 512, 64), (9, 128, 32), (9, 480, 16)):
-        block_h, block_n, warps = tuning.decode_blocks(heads, rank, interpreting=False)
-        constexprs = {"UPCAST": False, "PRECISION": "tf32", "BLOCK_H": block_h, "BLOCK_N": block_n,
-                      "BLOCK_R": tuning.next_power_of_two(rank), "BLOCK_DR": tuning.next_power_of_two(d_rope)}
-        row = {"shape": f"decode H{heads} r{rank}", "candidate": 0, "kernel": "decode split",
-               "tiles": f"{block_h}x{block_n}", "warps": warps, "stages": 2}
-        try:
-            row.update(compile_resources(_decode_split_kernel, constexprs, warps, 2))
-        except Exception as error:
-            row["error"] = f"{type(error).__name__}: {str(error)[:120]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    print("\n| shape | candidate | kernel | tiles | warps / stages | registers | spilled (local bytes) | shared KiB | wgmma |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        resources = (f"error: {r['error'][:60]} | | | |" if "error" in r else
-                     f"{r['registers']} | {r['local_bytes']} | {r['shared_bytes'] / 1024:.0f} | {r['wgmma']} |")
-        print(f"| {r['shape']} | {r['candidate']} | {r['kernel']} | {r['tiles']} | {r['warps']} / {r['stages']} | {resources}")
-    return rows
-
-
 def speed_table_rows(results: list[dict], device_name: str) -> list[str]:
     """The prefill results as rows of mha2mla/kernels/speed_table.py's MEASURED (what recover's attention auto
     reads): one per (dtype, head dims), the slower of its shapes kept."""
@@ -230,6 +152,21 @@ def speed_table_rows(results: list[dict], device_name: str) -> list[str]:
     gpu = device_name.removeprefix("NVIDIA ").split()[0] if device_name else "?"
     return [f'KernelSpeed("{gpu}", "{dtype}", {d_n}, {d_r}, {d_v}, forward_speedup={fwd:.2f}, backward_speedup={bwd:.2f})'
             for (dtype, d_n, d_r, d_v), (fwd, bwd) in sorted(rows.items())]
+
+
+def print_table(results: list[dict]) -> None:
+    """The Markdown table of the measurements: TFLOP/s per prefill case, GB/s (share of HBM) per decode case."""
+    print("\n| kind | shape | ours fwd / bwd | SDPA fwd / bwd | decode GB/s (share of HBM) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['kind']} | {r['name']} | error: {r['error'][:60]} | | |")
+        elif r["kind"] == "prefill":
+            print(f"| prefill | {r['name']} B{r['B']} H{r['H']} T{r['T']} | {r['ours_fwd_tflops']:.0f} / "
+                  f"{r['ours_bwd_tflops']:.0f} TFLOP/s | {r['sdpa_fwd_tflops']:.0f} / {r['sdpa_bwd_tflops']:.0f} TFLOP/s | |")
+        else:
+            print(f"| decode | {r['name']} B{r['B']} H{r['H']} T{r['T']} | | | {r['kernel_gb_s']:.0f} "
+                  f"({100 * r['kernel_fraction_of_hbm']:.0f}%) |")
 
 
 def main(argv=None) -> int:
@@ -267,22 +204,9 @@ def measure(args) -> int:
     elif not torch.cuda.is_available():
         print(json.dumps({"error": "kernels_bench.py needs a CUDA GPU"}))
         return 2
-    prefill = [
-        ("deepseek-H32", 1, 32, 4096, 128, 64, 128),
-        ("deepseek-H128", 1, 128, 2048, 128, 64, 128),
-        ("smollm2-mla-dr16", 4, 9, 2048, 64, 16, 64),
-        ("smollm2-mla-dr32", 4, 9, 2048, 64, 32, 64),
-    ]
-    decode = [
-        ("deepseek-H128-r512", 32, 128, 4096, 128, 64, 128, 512),
-        ("deepseek-H32-r512", 64, 32, 8192, 128, 64, 128, 512),
-        ("deepseek-H128-r512-B1", 1, 128, 32768, 128, 64, 128, 512),
-        ("smollm2-mla-r128", 64, 9, 4096, 64, 32, 64, 128),
-        ("smollm2-mla-r480", 64, 9, 4096, 64, 16, 64, 480),
-    ]
+    prefill, decode = list(PREFILL_SHAPES), list(DECODE_SHAPES)
     if args.smoke:
-        prefill = [("smoke", 1, 2, 64, 16, 16, 16)]
-        decode = [("smoke", 2, 3, 64, 16, 16, 16, 24)]
+        prefill, decode = list(SMOKE_PREFILL_SHAPES), list(SMOKE_DECODE_SHAPES)
     elif args.quick:
         prefill, decode = prefill[::2], decode[::2]
     results = []
@@ -309,17 +233,7 @@ def measure(args) -> int:
     summary = {"device": device_name, "torch": torch.__version__, "seconds": time.time() - started,
                "hbm_tb_s": args.hbm_tb_s, "results": results, "speed_table_rows": speed_table_rows(results, device_name)}
     print(json.dumps(summary))
-    print("\n| kind | shape | ours fwd / bwd | SDPA fwd / bwd | decode GB/s (share of HBM) |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        if "error" in r:
-            print(f"| {r['kind']} | {r['name']} | error: {r['error'][:60]} | | |")
-        elif r["kind"] == "prefill":
-            print(f"| prefill | {r['name']} B{r['B']} H{r['H']} T{r['T']} | {r['ours_fwd_tflops']:.0f} / "
-                  f"{r['ours_bwd_tflops']:.0f} TFLOP/s | {r['sdpa_fwd_tflops']:.0f} / {r['sdpa_bwd_tflops']:.0f} TFLOP/s | |")
-        else:
-            print(f"| decode | {r['name']} B{r['B']} H{r['H']} T{r['T']} | | | {r['kernel_gb_s']:.0f} "
-                  f"({100 * r['kernel_fraction_of_hbm']:.0f}%) |")
+    print_table(results)
     if args.json_out:
         with open(args.json_out, "w") as handle:
             json.dump(summary, handle, indent=2)
