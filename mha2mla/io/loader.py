@@ -1,7 +1,8 @@
-"""Load a causal language model, the one place that does: from a model folder, a ``.gguf`` file (dequantised,
-mha2mla/io/source.py) or a hub id (downloaded into the Hugging Face cache first), in one dtype and attention
-implementation. ``eval``, ``recover`` (its teacher and student) and the tests load every model through here, so a
-folder that is not a causal LM, a damaged weight file or an unloadable tokenizer gets the same sentence from each.
+"""Load a causal language model, its tokenizer or its transformers config, the one place that does: from a model
+folder, a ``.gguf`` file (dequantised, mha2mla/io/source.py) or a hub id (downloaded into the Hugging Face cache
+first), in one dtype and attention implementation. ``eval``, ``recover`` (its teacher and student), ``convert``'s
+calibration and the tests load every model through here, so a folder that is not a causal LM, a damaged weight
+file or an unloadable tokenizer gets the same sentence from each.
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ def check_causal_lm_folder(folder: str | Path) -> dict:
     return config
 
 
+def load_config(folder: str | Path, *, hint: str = "point at a Hugging Face model folder"):
+    """The transformers config (a ``PretrainedConfig``) that the config.json of the model folder ``folder``
+    describes; one sentence ending in ``hint`` when transformers cannot build it (a model type it does not know)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read the model config in {folder} ({_first_line(error)}); {hint}.") from None
+
+
 def model_path(spec: str | Path) -> tuple[str, Path]:
     """The kind of a model argument (``folder``, ``gguf`` or ``hub``) and the local path it loads from: the folder,
     the .gguf file, or the hub model's downloaded folder."""
@@ -101,5 +113,5 @@ def load_tokenizer(spec: str | Path, *, hint: str = "pass the folder of a model 
         return load_gguf_tokenizer(path)
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as error:
+    except Exception as error:  # a damaged tokenizer.json raises KeyError or the tokenizers library's bare Exception
         raise UserError(f"cannot load a tokenizer from {path} ({_first_line(error)}); {hint}.") from None

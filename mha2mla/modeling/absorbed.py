@@ -14,7 +14,8 @@ which is exactly what the cache stores (``r + d_r`` values per token per layer).
 
 File format: ``absorbed.safetensors`` with, for every layer ``i``,
 ``layers.{i}.w_uk``: ``[H, d_n, r]`` and ``layers.{i}.w_uv``: ``[H, d_v, r]``, plus ``absorbed.json``
-describing the shapes, the softmax scale and the dtype.
+describing the shapes, the softmax scale and the dtype. This module computes and writes them; reading them back
+from a folder is mha2mla/io/mla_checkpoint.py's ``load_absorbed``.
 """
 
 from __future__ import annotations
@@ -23,14 +24,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from mha2mla import UserError
+from mha2mla.io.mla_checkpoint import FORMAT_NAME, FORMAT_VERSION
 from mha2mla.io.model_folder import ABSORBED_FILE, ABSORBED_INDEX
-
-FORMAT_NAME = "mha2mla-absorbed"
-FORMAT_VERSION = 1
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
@@ -83,54 +80,3 @@ def write_absorbed(folder: str | Path, state_dict_or_getter, config) -> None:
         "cache_values_per_token_per_layer": config.kv_lora_rank + config.qk_rope_head_dim,
     }
     (folder / ABSORBED_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-# the shape keys generate compares with config.json (mha2mla.modeling.weights.check_absorbed_index)
-INDEX_SIZES = ("num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
-
-
-def _damaged(path: Path, why: str) -> UserError:
-    return UserError(f"{path} is damaged ({why}); re-run the `mha2mla convert` (or `mha2mla recover`) that wrote "
-                     f"{path.parent} to write it again.")
-
-
-def read_absorbed_index(path: Path) -> dict:
-    """``absorbed.json`` as a dict holding the format name and every size of INDEX_SIZES as a positive whole number;
-    one sentence naming the file otherwise."""
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise _damaged(path, "not UTF-8 text") from None
-    except json.JSONDecodeError as error:
-        raise _damaged(path, f"not valid JSON: {error.msg} at line {error.lineno}") from None
-    except OSError as error:
-        raise UserError(f"cannot read {path} ({error.strerror}).") from None
-    if not isinstance(index, dict):
-        raise _damaged(path, f"a JSON {type(index).__name__}, not an object")
-    if index.get("format") != FORMAT_NAME:
-        raise _damaged(path, f"its format is {index.get('format')!r}, not {FORMAT_NAME!r}")
-    for key in INDEX_SIZES:
-        value = index.get(key)
-        if value is None:
-            raise _damaged(path, f"it lacks {key}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise _damaged(path, f"{key} is {value!r}, not a positive whole number")
-    return index
-
-
-def load_absorbed(folder: str | Path, device: str | torch.device = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read ``absorbed.json`` and ``absorbed.safetensors`` from a converted model folder: the index checked, and a
-    ``w_uk`` and ``w_uv`` for each of its layers."""
-    folder = Path(folder)
-    if not (folder / ABSORBED_INDEX).exists() or not (folder / ABSORBED_FILE).exists():
-        raise UserError(f"{folder} has no absorbed weights ({ABSORBED_FILE}); convert it with `mha2mla convert`.")
-    index = read_absorbed_index(folder / ABSORBED_INDEX)
-    try:
-        tensors = load_file(str(folder / ABSORBED_FILE), device=str(device))
-    except SafetensorError as error:
-        raise _damaged(folder / ABSORBED_FILE, " ".join(str(error).split())) from None
-    for layer in range(index["num_hidden_layers"]):
-        missing = [f"layers.{layer}.{name}" for name in ("w_uk", "w_uv") if f"layers.{layer}.{name}" not in tensors]
-        if missing:
-            raise _damaged(folder / ABSORBED_FILE, f"it lacks {missing[0]}")
-    return index, tensors

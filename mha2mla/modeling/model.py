@@ -1,6 +1,7 @@
 """The latent-cache MLA model: weights and forward passes of a converted DeepSeek-V3 checkpoint (docs/generate.md).
 
-The model computes DeepSeek-V3 itself from the checkpoint's tensors (read lazily by
+The model computes DeepSeek-V3 itself from the checkpoint's tensors (read by
+:func:`mha2mla.io.mla_checkpoint.read_mla_checkpoint`, the other tensors lazily by
 :class:`mha2mla.io.reader.LazyCheckpoint`):
 
 - **prefill** (the prompt) runs un-absorbed: the latent is expanded through ``kv_b_proj`` into per-head keys and
@@ -35,18 +36,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from mha2mla import UserError
 from mha2mla.compute import resolve_compute_dtype, torch_dtype
-from mha2mla.io.model_folder import check_model_folder
-from mha2mla.io.reader import LazyCheckpoint
+from mha2mla.io.mla_checkpoint import read_mla_checkpoint
 from mha2mla.kernels.backend import decode_attention_backend
 from mha2mla.kernels.ops import latent_cache_decode
-from mha2mla.modeling.absorbed import load_absorbed, softmax_scale
+from mha2mla.modeling.absorbed import softmax_scale
 from mha2mla.modeling.latent_cache import LatentCache
 from mha2mla.modeling.linear import linear, pack, pack_layer, packing_applies
 from mha2mla.modeling.rmsnorm import rms_norm
@@ -128,23 +127,20 @@ class MLAModel:
     @classmethod
     def from_pretrained(cls, folder: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | str | None = None, decode_attention: str = "auto") -> MLAModel:
-        """Load the weights of a converted checkpoint folder (config, safetensors, absorbed weights).
+        """Load the weights of a converted checkpoint folder (config, safetensors, absorbed weights), read through
+        :func:`mha2mla.io.mla_checkpoint.read_mla_checkpoint` and checked here against what the model computes.
 
         dtype is the weights, activations and cache dtype: a torch dtype, or a compute dtype name (auto, float32,
         bfloat16; None is auto) resolved by :func:`mha2mla.compute.resolve_compute_dtype` for the device. bf16
         weights on CPU are packed for oneDNN once here (:mod:`mha2mla.modeling.linear`). decode_attention:
         "torch" (plain PyTorch), "kernel" (mha2mla.kernels' split-KV decode), or "auto" (the kernel on CUDA,
         PyTorch on CPU); see :func:`mha2mla.kernels.backend.decode_attention_backend`."""
-        folder = Path(folder)
-        check_model_folder(folder, hint="point at a folder written by `mha2mla convert`")  # weights read back
         device = torch.device(device)
         if dtype is None or isinstance(dtype, str):
             dtype = torch_dtype(resolve_compute_dtype(dtype, str(device)))
-        config = AutoConfig.from_pretrained(folder)
-        check_config(config)
-        index, absorbed = load_absorbed(folder)
-        check_absorbed_index(index, config)
-        reader = LazyCheckpoint(folder)
+        checkpoint = read_mla_checkpoint(folder, check_config=check_config)
+        config, absorbed, reader = checkpoint.config, checkpoint.absorbed, checkpoint.reader
+        check_absorbed_index(checkpoint.absorbed_index, config)
 
         def put(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype).contiguous()

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from mha2mla.convert.config import ConvertConfig
 from mha2mla.convert.output.portable import check_portable_folder, portable_violations
 from mha2mla.convert.pipeline import convert
+from mha2mla.io.mla_checkpoint import load_absorbed
 from mha2mla.io.model_folder import read_conversion_report
-from mha2mla.modeling.absorbed import load_absorbed
 from mha2mla.modeling.reference import reference_attention
 
 HEAD_DIM = 16

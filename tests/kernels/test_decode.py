@@ -129,8 +129,9 @@ def test_decode_entry_point_takes_only_latent_cache_and_absorbed_factors(tmp_pat
     sequence lengths; with factors read from ``absorbed.safetensors`` it matches the un-absorbed path."""
     import inspect
 
+    from mha2mla.io.mla_checkpoint import load_absorbed
     from mha2mla.kernels.decode import _decode_split_kernel
-    from mha2mla.modeling.absorbed import load_absorbed, write_absorbed
+    from mha2mla.modeling.absorbed import write_absorbed
     from tests.common import tiny_deepseek_config
 
     config = tiny_deepseek_config(num_layers=1)

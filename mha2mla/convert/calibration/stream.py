@@ -21,10 +21,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
-from mha2mla import UserError
 from mha2mla.compute import torch_dtype
 from mha2mla.convert.calibration.data import calibration_documents, calibration_token_ids
 from mha2mla.convert.calibration.memory import calibration_batch, check_budget, host_buffer
@@ -33,6 +32,7 @@ from mha2mla.convert.phases import phase
 from mha2mla.convert.plan.resolve import ConversionPlan
 from mha2mla.convert.source_reader import SourceReader
 from mha2mla.devices import resolve_device
+from mha2mla.io.loader import load_tokenizer
 from mha2mla.kernels.sdpa import register_padded_sdpa
 from mha2mla.modeling.eager import EAGER, register_eager
 
@@ -208,11 +208,8 @@ class LayerActivations:
 def calibration_stream(reader: SourceReader) -> CalibrationStream:
     """The stream for ``plan.calibration`` (the calibration text, sizes and device), on the source's tokenizer."""
     settings = reader.plan.calibration
-    folder = reader.ckpt.folder
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as error:
-        raise UserError(f"calibration needs the source tokenizer, which {folder} lacks ({type(error).__name__}).") from error
+    tokenizer = load_tokenizer(reader.ckpt.folder, hint="calibration needs the source tokenizer: give a source with "
+                               "its tokenizer files, or convert without calibration (--calib none)")
     tokens = calibration_token_ids(calibration_documents(settings.text), tokenizer, settings.samples, settings.seq_len)
     on_disk = check_budget(reader.plan, settings.max_memory)
     if on_disk:

@@ -93,9 +93,11 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 def meta_model(folder: str | Path):
     """The causal LM of the model folder ``folder`` (its config.json) on the meta device: its shapes, no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(folder))
+    from mha2mla.io.loader import load_config
+
+    config = load_config(folder)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
