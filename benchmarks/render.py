@@ -137,6 +137,20 @@ def _acc(task: str) -> Callable[[dict], str]:
     return lambda record: f"{get(record, f'figures.{task}.acc'):.2f} / {get(record, f'figures.{task}.acc_norm'):.2f}"
 
 
+# heal.py score labels of the healing-per-minute arms (docs/benchmarks.md, "Healing per minute"), in the table's words
+ROUTE_ARMS = {
+    "smollm2-135m-kv0.125": "converted (the default at 12.5%), not healed",
+    "kl-base": "KL at the head, every layer trains (the recipe's objective)",
+    "kl-ild": "the same + each layer's output matched to the source's (layer_distill_weight 1)",
+    "attn-tf": "teacher-forced attention outputs, attention trains (objective attention_outputs)",
+}
+
+
+def _minutes(record: dict) -> str:
+    seconds = get(record, "figures.wall_seconds")
+    return "" if seconds is None else f"{seconds / 60:.1f}"
+
+
 TABLES: dict[str, Table] = {
     "quality": Table("quality.jsonl", "quality", (
         ("KV budget", lambda r: f"{100 * get(r, 'figures.budget'):g}%"), ("profile", field("figures.profile")),
@@ -173,7 +187,16 @@ TABLES: dict[str, Table] = {
         ("arm: what trains, loss", field("figures.label")), ("tokens/s", field("figures.tokens_per_s", 1)),
         ("KJV", ratio_field("figures.x_source.kjv")), ("Python docs", ratio_field("figures.x_source.python_docs")),
         ("**fortunes**", ratio_field("figures.x_source.fortunes")),
-        ("**Debian policy**", ratio_field("figures.x_source.debian_policy")), ("MC points", _mc))),
+        ("**Debian policy**", ratio_field("figures.x_source.debian_policy")), ("MC points", _mc)),
+        keep=lambda record: record.get("commit") == "7c39297"),
+    "heal-routes": Table("heal.jsonl", "recovery", (
+        ("arm", lambda r: ROUTE_ARMS[get(r, "figures.label")]), ("tokens trained", field("figures.tokens")),
+        ("healing minutes", _minutes), ("tokens/s", field("figures.tokens_per_second", 1)),
+        ("**fortunes**", ratio_field("figures.x_source.fortunes", 2)),
+        ("**Debian policy**", ratio_field("figures.x_source.debian_policy", 2)),
+        ("KJV", ratio_field("figures.x_source.kjv", 2)), ("Python docs", ratio_field("figures.x_source.python_docs", 2)),
+        ("MC points", _mc)),
+        keep=lambda record: get(record, "figures.label") in ROUTE_ARMS),
     "heal-step": Table("heal.jsonl", "heal-step", (
         ("conversion", field("settings.converted")), ("weight stepped", field("figures.kind")),
         ("loss, converted", field("figures.converted", 3)), ("loss, balanced", field("figures.balanced", 3)))),
