@@ -20,7 +20,7 @@ FLAGS = Flags(
     settings=("data", "out", "teacher", "eval_data", "max_tokens", "max_steps", "max_time", "seq_len", "batch_size", "grad_accum",
               "learning_rate", "weight_decay", "warmup_steps", "schedule", "min_lr_ratio", "full_attention", "full_layers",
               "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.train_norms", "distill_weight",
-              "temperature", "layer_distill_weight", "objective", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",
+              "temperature", "eval_sequences", "eval_every", "save_every", "keep_checkpoints",
               "keep_checkpoints_after_run",
               "attn_implementation", "compute_dtype", "activation_checkpointing", "text_field", "seed",
               "default_data", "generated_temperature", "generated_top_p"),

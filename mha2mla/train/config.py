@@ -105,13 +105,6 @@ class RecoverConfig(BaseModel):
     # distillation
     distill_weight: float = Field(0.5, ge=0, le=1, description="weight of the KL term; 1 - weight goes to the LM loss")
     temperature: float = Field(1.0, gt=0, description="distillation temperature")
-    layer_distill_weight: float = Field(0.0, ge=0, description="weight of the per-layer hidden-state term added to the "
-                                        "loss: each decoder layer's output matched to the teacher's at its depth "
-                                        "(relative squared error; needs --teacher)")
-    objective: Literal["logits", "attention_outputs"] = Field(
-        "logits", description="logits: the LM loss and the KL at the lm_head; attention_outputs: each attention, fed "
-        "the teacher's attention input at its depth, matched to the teacher's attention output (needs --teacher; "
-        "the MLPs and the lm_head get no gradient)")
 
     # runtime
     attn_implementation: Literal["sdpa", "eager", "mha2mla_triton", "auto"] = Field(
@@ -152,9 +145,6 @@ class RecoverConfig(BaseModel):
     def _check(self) -> RecoverConfig:
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("give --max-steps or --max-tokens (max_steps or max_tokens in a recipe)")
-        if (self.layer_distill_weight or self.objective != "logits") and self.teacher is None:
-            raise ValueError("layer-wise distillation (layer_distill_weight, objective attention_outputs) matches the "
-                             "source's layers; give --teacher")
         if not self.data and self.default_data == "generated" and self.teacher is None:
             raise ValueError("give --teacher to train on the text it generates (default_data generated), or --data")
         return self

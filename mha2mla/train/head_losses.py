@@ -21,7 +21,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from mha2mla.train.layer_losses import hidden_state_losses, layer_outputs
 from mha2mla.train.losses import CHUNK_POSITIONS, chunk_losses, logit_losses, weighted_totals
 
 NO_POSITIONS = torch.zeros(0, dtype=torch.long)  # ``logits_to_keep``: project no position
@@ -109,28 +108,21 @@ def final_hidden(model, unwrapped, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def micro_batch_losses(model, unwrapped, teacher, batch: dict[str, torch.Tensor], mask: torch.Tensor,
-                       distill_weight: float, temperature: float, whole_logits: bool = False,
-                       layer_weight: float = 0.0):
+                       distill_weight: float, temperature: float, whole_logits: bool = False):
     """``(loss, LM, KL)`` of one micro-batch: ``(1 - w) LM + w KL`` (w ``distill_weight``; no ``teacher``: LM only),
     against the lm_heads chunk by chunk; ``whole_logits``: from the models' whole logits instead (``logit_losses``,
-    the same values: a sharded model's lm_head weight is only whole inside its forward). ``layer_weight``: the
-    weight of the per-layer hidden-state term added to the first (layer_losses.py; needs ``teacher``)."""
+    the same values: a sharded model's lm_head weight is only whole inside its forward)."""
     weight = distill_weight if teacher is not None else 0.0
     if not whole_logits:
-        layers = layer_weight and teacher is not None
-        with layer_outputs(unwrapped) if layers else contextlib.nullcontext() as student_layers:
-            hidden = final_hidden(model, unwrapped, batch)  # (B, L, H)
+        hidden = final_hidden(model, unwrapped, batch)  # (B, L, H)
         teacher_hidden = teacher_head = None
         if teacher is not None:
-            with torch.no_grad(), layer_outputs(teacher) if layers else contextlib.nullcontext() as teacher_layers:
+            with torch.no_grad():
                 teacher_hidden = final_hidden(teacher, teacher, batch)
             teacher_head = teacher.get_output_embeddings().weight
         head = unwrapped.get_output_embeddings().weight
-        total, lm, kl = head_losses(hidden, head, teacher_hidden, teacher_head, batch["input_ids"], mask, 1 - weight,
-                                    weight, temperature)
-        if layers:
-            total = total + layer_weight * hidden_state_losses(student_layers, teacher_layers)
-        return total, lm, kl
+        return head_losses(hidden, head, teacher_hidden, teacher_head, batch["input_ids"], mask, 1 - weight, weight,
+                           temperature)
     logits = model(**batch, use_cache=False).logits  # (B, L, V)
     with torch.no_grad():
         teacher_logits = None if teacher is None else teacher(**batch, use_cache=False).logits

@@ -35,7 +35,6 @@ from mha2mla.train.data.packing import target_mask
 from mha2mla.train.devices import Devices
 from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.head_losses import micro_batch_losses
-from mha2mla.train.layer_losses import attention_output_losses
 from mha2mla.train.model.merge import reloaded_model, write_recovered
 from mha2mla.train.state import checkpoint as ckpt
 from mha2mla.train.state.gather import gathered_state, gathered_trainable, restore_state
@@ -155,12 +154,8 @@ class RecoveryRun:
         mask = target_mask(batch["position_ids"])
         unwrapped = self.accelerator.unwrap_model(self.model)
         with self.accelerator.autocast():
-            if self.config.objective == "attention_outputs":
-                loss = attention_output_losses(unwrapped, self.teacher, batch)
-                return loss, torch.zeros_like(loss), loss.detach()
             return micro_batch_losses(self.model, unwrapped, self.teacher, batch, mask, self.config.distill_weight,
-                                      self.config.temperature, whole_logits=self.devices.sharded,
-                                      layer_weight=self.config.layer_distill_weight)
+                                      self.config.temperature, whole_logits=self.devices.sharded)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this process's rows of the step: ``batch`` holds (grad_accum x B, L) tensors,
