@@ -141,8 +141,9 @@ def _acc(task: str) -> Callable[[dict], str]:
 ROUTE_ARMS = {
     "smollm2-135m-kv0.125": "converted (the default at 12.5%), not healed",
     "kl-base": "KL at the head, every layer trains (the recipe's objective)",
-    "kl-ild": "the same + each layer's output matched to the source's (layer_distill_weight 1)",
-    "attn-tf": "teacher-forced attention outputs, attention trains (objective attention_outputs)",
+    "kl-ild": "the same + each layer's output matched to the source's, weight 1 (not kept)",
+    "attn-tf": "each attention on the source's input at its depth, matched to its output; attention trains (not kept)",
+    "kl-attn": "KL at the head, attention trains, for about the baseline's minutes",
 }
 
 
