@@ -114,7 +114,8 @@ def _conversion(record: dict) -> str:
 
 
 def _steps(record: dict) -> str:
-    return phase("reconstruction")(record) + f"; {number(get(record, 'figures.reconstruction_steps'))} steps"
+    steps = get(record, "figures.reconstruction_steps", get(record, "figures.conversion.reconstruction_steps"))
+    return phase("reconstruction")(record) + f"; {number(steps)} steps"
 
 
 def _pair(record: dict, path: str) -> str:
