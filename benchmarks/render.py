@@ -199,8 +199,7 @@ TABLES: dict[str, Table] = {
         ("**Debian policy**", ratio_field("figures.x_source.debian_policy", 2)),
         ("KJV", ratio_field("figures.x_source.kjv", 2)), ("Python docs", ratio_field("figures.x_source.python_docs", 2)),
         ("MC points", _mc)),
-        # the first baseline (204a8a2) ran beside other jobs: its rerun on the idle machine is the row
-        keep=lambda record: get(record, "figures.label") in ROUTE_ARMS and record.get("commit") != "204a8a2+dirty",
+        keep=lambda record: get(record, "figures.label") in ROUTE_ARMS,
         order=lambda record: list(ROUTE_ARMS).index(get(record, "figures.label"))),
     "heal-step": Table("heal.jsonl", "heal-step", (
         ("conversion", field("settings.converted")), ("weight stepped", field("figures.kind")),
