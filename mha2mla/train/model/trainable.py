@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from mha2mla import UserError
+from mha2mla.io.loader import load_config
 from mha2mla.io.model_folder import CONFIG_FILE
 from mha2mla.train.config import TRAINABLE_NORMS, LoraSettings
 
@@ -94,8 +95,6 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 def meta_model(folder: str | Path):
     """The causal LM of the model folder ``folder`` (its config.json) on the meta device: its shapes, no memory."""
     from transformers import AutoModelForCausalLM
-
-    from mha2mla.io.loader import load_config
 
     config = load_config(folder)
     with torch.device("meta"):
