@@ -41,6 +41,7 @@ QUESTIONS = {
     "decode": "How fast does a converted model decode, and how many KV-cache bytes does it hold?",
     "kernels_bench": "How fast are the MLA Triton kernels against torch SDPA and against HBM bandwidth?",
     "fresh_clone": "How long do the README's two commands take in a fresh clone?",
+    "recon_solvers": "Does a second-order solver fit the conversion's reconstruction in less time than its Adam?",
 }
 _records_file: list[Path] = []  # set by --records (add_output_arguments); else records/<script>.jsonl
 
