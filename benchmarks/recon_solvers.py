@@ -10,7 +10,7 @@ converted layer before the fit, its inputs and targets, as ``convert/steps/recon
 each one with every solver from the same start: held-out relative error before and after, seconds, and the
 sequence passes (one sequence's forward and backward; a forward alone counts a third) each solver spent.
 ``convert`` runs the whole default conversion with one solver in the reconstruction's place and writes the model to
---out (score it with ``heal.py score --converted FOLDER``). Both replace ``reconstruct.reconstruct`` in this process
+--out (scored by ``heal.py score --converted FOLDER``, beside the default's conversion). Both replace ``reconstruct.reconstruct`` in this process
 only: the solvers here are not in the product (docs/calibration.md, "tried and not kept").
 
 - ``adam``: the product's reconstruction, unchanged.
@@ -212,8 +212,7 @@ def convert_with(args, solvers) -> int:
             result = convert(harness.source_model(), args.out, ConvertConfig(kv_budget=args.kv_budget), progress=False)
     seconds = time.time() - started
     row = {"kv_budget": args.kv_budget, "solver": args.solver, "convert_seconds": round(seconds, 1),
-           "phase_seconds": getattr(result.report, "phase_seconds", None), "folder": str(args.out),
-           "perplexity": harness.perplexities(args.out)}
+           "phase_seconds": getattr(result.report, "phase_seconds", None), "folder": str(args.out)}
     harness.report("recon-solvers-convert", {"kv_budget": args.kv_budget, "solver": args.solver}, [row], args.json_out)
     return 0
 

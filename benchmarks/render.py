@@ -148,6 +148,10 @@ ROUTE_ARMS = {
     "attn-tf": "each attention on the source's input at its depth, matched to its output; attention trains (not kept)",
 }
 
+# benchmarks/recon_solvers.py's solvers, in the table's words
+SOLVERS = {"adam": "Adam, 160 steps of 4 sequences (the default)", "lbfgs": "L-BFGS, whole training set (not kept)",
+           "kfac": "K-FAC Gauss-Newton, 8 steps of 64 sequences (not kept)"}
+
 
 def _minutes(record: dict) -> str:
     seconds = get(record, "figures.wall_seconds")
@@ -201,6 +205,16 @@ TABLES: dict[str, Table] = {
         ("MC points", _mc)),
         keep=lambda record: get(record, "figures.label") in ROUTE_ARMS,
         order=lambda record: list(ROUTE_ARMS).index(get(record, "figures.label"))),
+    "recon-solvers": Table("recon_solvers.jsonl", "recon-solvers", (
+        ("budget, layer", lambda r: f"{100 * get(r, 'figures.kv_budget'):g}%, {get(r, 'figures.layer')}"),
+        ("solver", lambda r: SOLVERS[get(r, "figures.solver")]),
+        ("held-out error", lambda r: f"{get(r, 'figures.held_out_error_before'):.3f} → {get(r, 'figures.held_out_error_after'):.3f}"),
+        ("s", field("figures.seconds", 1)), ("CPU s", field("figures.cpu_seconds", 1)),
+        ("sequence passes", field("figures.sequence_passes")))),
+    "recon-convert": Table("recon_solvers.jsonl", "recon-solvers-convert", (
+        ("budget", lambda r: f"{100 * get(r, 'figures.kv_budget'):g}%"), ("solver", lambda r: SOLVERS[get(r, "figures.solver")]),
+        ("convert min", lambda r: f"{get(r, 'figures.convert_seconds') / 60:.1f}"),
+        ("reconstruction min", lambda r: f"{get(r, 'figures.phase_seconds.reconstruction') / 60:.1f}"))),
     "heal-step": Table("heal.jsonl", "heal-step", (
         ("conversion", field("settings.converted")), ("weight stepped", field("figures.kind")),
         ("loss, converted", field("figures.converted", 3)), ("loss, balanced", field("figures.balanced", 3)))),
