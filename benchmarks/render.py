@@ -153,6 +153,11 @@ SOLVERS = {"adam": "Adam, 160 steps of 4 sequences (the default)", "lbfgs": "L-B
            "kfac": "K-FAC Gauss-Newton, 8 steps of 64 sequences (not kept)"}
 
 
+def _fits(record: dict) -> str:
+    pairs = zip(get(record, "figures.held_out_error_before"), get(record, "figures.held_out_error_after"))
+    return " · ".join(f"{before:.3f} → {after:.3f}" for before, after in pairs)
+
+
 def _minutes(record: dict) -> str:
     seconds = get(record, "figures.wall_seconds")
     return "" if seconds is None else f"{seconds / 60:.1f}"
@@ -206,11 +211,9 @@ TABLES: dict[str, Table] = {
         keep=lambda record: get(record, "figures.label") in ROUTE_ARMS,
         order=lambda record: list(ROUTE_ARMS).index(get(record, "figures.label"))),
     "recon-solvers": Table("recon_solvers.jsonl", "recon-solvers", (
-        ("budget, layer", lambda r: f"{100 * get(r, 'figures.kv_budget'):g}%, {get(r, 'figures.layer')}"),
-        ("solver", lambda r: SOLVERS[get(r, "figures.solver")]),
-        ("held-out error", lambda r: f"{get(r, 'figures.held_out_error_before'):.3f} → {get(r, 'figures.held_out_error_after'):.3f}"),
-        ("s", field("figures.seconds", 1)), ("CPU s", field("figures.cpu_seconds", 1)),
-        ("sequence passes", field("figures.sequence_passes")))),
+        ("budget", lambda r: f"{100 * get(r, 'figures.kv_budget'):g}%"), ("solver", lambda r: SOLVERS[get(r, "figures.solver")]),
+        ("held-out error, layers 2 · 10 · 20", _fits), ("s", field("figures.seconds", 1)),
+        ("CPU s", field("figures.cpu_seconds", 1)), ("passes per layer", lambda r: " · ".join(number(n, 0) for n in get(r, "figures.sequence_passes"))))),
     "recon-convert": Table("recon_solvers.jsonl", "recon-solvers-convert", (
         ("budget", lambda r: f"{100 * get(r, 'figures.kv_budget'):g}%"), ("solver", lambda r: SOLVERS[get(r, "figures.solver")]),
         ("convert min", lambda r: f"{get(r, 'figures.convert_seconds') / 60:.1f}"),
