@@ -1,10 +1,10 @@
 """``RecoveryRun``: the model being trained and what trains it, in the shape of a torchtune recipe (docs/recover.md):
 ``setup_training`` (AdamW over the trainable parameters, the learning-rate schedule, a resumed checkpoint's
 optimizer and RNG state, everything placed by accelerate), ``train_step`` (the one optimizer step: forward, LM loss
-mixed with distillation, backward, clip, AdamW, scheduler), ``train`` (the loop, top to bottom: an evaluation before
-the first step, then each step with the evaluation and checkpoint due after it until the last step or the time
-budget, then the last evaluation) and ``export`` (the merged model written to OUT). trainer.py builds it from what
-the run loaded; benchmarks/recover_speed.py times ``train_step`` on any model made ready by ``setup_training``.
+mixed with distillation, backward, clip, AdamW, scheduler), ``train`` (the loop: evaluations, checkpoints and steps
+until the last step or the time budget; the metrics log, the recovery report) and ``export`` (the merged model
+written to OUT). trainer.py builds it from what the run loaded; benchmarks/recover_speed.py times ``train_step`` on
+any model made ready by ``setup_training``.
 
 One process (CPU or GPU) or several through ``accelerate launch`` / ``torchrun`` (DDP or FSDP2: devices.py,
 state/gather.py). Data is sharded by hand (under FSDP as under DDP): optimizer step ``s`` reads global rows
@@ -12,16 +12,19 @@ state/gather.py). Data is sharded by hand (under FSDP as under DDP): optimizer s
 process ``p`` taking rows ``(m*P + p)*B ..`` (``rows_at``); the data position is the rows consumed, with the rows'
 own ``state_dict()`` in every checkpoint, so a resumed run reads exactly the rows it would have read.
 
-The learning-rate schedule and the time budget: schedule.py. What the loop writes: each step's and each evaluation's
-line of the metrics log (state/run_log.py), the checkpoints (state/checkpoint.py) and, once it ends, the recovery
-report (``OUT/recovery_report.json``: curves, throughput, what trained, how it ran)."""
+The schedule: the learning rate warms up and decays (``lr_multiplier``); the time budget (``--max-time 80m``, its
+forms read by config.duration_seconds; ``TimeBudget``) stops the loop before a step that would end past it, counting
+the loop's wall time (steps, evaluations, checkpoints) summed over resumptions (``wall_seconds`` in the trainer
+state), and the run ends as any run does (the last evaluation, the model written)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from pathlib import Path
+from time import monotonic
 
 import torch
 from tqdm.auto import tqdm
@@ -32,12 +35,68 @@ from mha2mla.train.devices import Devices
 from mha2mla.train.evaluate import packed_perplexity
 from mha2mla.train.head_losses import micro_batch_losses
 from mha2mla.train.model.merge import reloaded_model, write_recovered
-from mha2mla.train.schedule import TimeBudget, lr_multiplier
 from mha2mla.train.state import checkpoint as ckpt
 from mha2mla.train.state.gather import gathered_state, gathered_trainable, restore_state
 from mha2mla.train.state.run_log import append_log
 
 log = logging.getLogger(__name__)
+
+
+def lr_multiplier(config: RecoverConfig, total_steps: int):
+    """Linear warmup over ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` (or constant)."""
+    warmup = config.warmup_steps
+
+    def multiplier(step: int) -> float:  # step = optimizer steps already taken
+        if step < warmup:
+            return (step + 1) / warmup
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1 - progress
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
+
+    return multiplier
+
+
+class TimeBudget:
+    """Checked before every optimizer step: ``spent()`` is True once the next step, as long as the last one, would end
+    past the budget (None: no budget). Every process takes the same decision (the main process's clock counts)."""
+
+    def __init__(self, seconds: float | None, state: dict):
+        self.seconds, self.state, self.stopped = seconds, state, False
+        self._origin, self._last = monotonic() - state["wall_seconds"], monotonic()
+
+    def spent(self, accelerator) -> bool:
+        now = monotonic()
+        self.state["wall_seconds"] = now - self._origin
+        step_seconds, self._last = now - self._last, now
+        if self.seconds is None:
+            return False
+        over = torch.tensor(float(self.state["wall_seconds"] + step_seconds > self.seconds), device=accelerator.device)
+        if accelerator.num_processes > 1:
+            over = accelerator.reduce(over, "max")
+        self.stopped = bool(over.item())
+        if self.stopped and accelerator.is_main_process:
+            log.info("%s", stop_sentence(self.state["step"], self.state["wall_seconds"], self.seconds, step_seconds))
+        return self.stopped
+
+
+def stop_sentence(step: int, spent: float, budget: float, step_seconds: float) -> str:
+    """Why the time budget ends the loop, in a sentence that reads right whether the time spent is under the budget
+    (the next step would pass it) or already over it (a budget shorter than the first evaluation or step)."""
+    where = "before the first step" if step == 0 else f"after step {step}"
+    if spent >= budget:
+        why = f"{seconds_text(spent)} spent, past the {seconds_text(budget)} budget"
+    else:
+        why = (f"{seconds_text(spent)} of the {seconds_text(budget)} budget spent, and one more step (about "
+               f"{seconds_text(step_seconds)}) would end past it")
+    return f"--max-time: stopping {where}: {why}; writing the model"
+
+
+def seconds_text(seconds: float) -> str:
+    """A duration for a log line: whole seconds for long ones, three significant digits for short ones, so that a
+    budget under a second does not read as none."""
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.3g} s"
 
 
 class RecoveryRun:
@@ -135,11 +194,9 @@ class RecoveryRun:
         """Steps from ``state`` (checkpoint.fresh_state(), or the checkpoint's at ``resumed_from``) until
         ``total_steps`` or the time budget, reading ``train_rows`` (``rows_at``; its ``state_dict()`` saved with every
         checkpoint), logging every step, evaluating on ``held_out`` before the first step, every ``eval_every`` steps
-        and after the last, checkpointing every ``save_every`` steps. Returns the recovery report.
-
-        Each turn of the loop, top to bottom: the evaluation due at this step, the end (the last step reached or the
-        budget spent: checked after this step's evaluation and checkpoint, whose time it counts), the checkpoint
-        due, the next step."""
+        and after the last, checkpointing every ``save_every`` steps. Returns the recovery report. Each turn of the
+        loop: the evaluation due at this step (the last one once the run ends), the checkpoint due, then the end (the
+        last step reached, or the budget spent counting this step's evaluation and checkpoint) or the next step."""
         config, total = self.config, self.total_steps
         if state["data"] is not None:  # the rows' own position, as the checkpoint saved it
             train_rows.load_state_dict(state["data"])
@@ -168,8 +225,7 @@ class RecoveryRun:
     def _step(self, train_rows, state: dict) -> str:
         """One optimizer step on the rows that follow ``state``'s data position: ``state`` moved on, the step's
         metrics logged; returns the progress bar's line."""
-        config, rows = self.config, self.rows_per_step
-        started = time.perf_counter()
+        config, rows, started = self.config, self.rows_per_step, time.perf_counter()
         starts = [state["rows_consumed"] + (micro * self.world + self.rank) * config.batch_size
                   for micro in range(config.grad_accum)]
         result = self.train_step(train_rows.rows_at(starts, config.batch_size))
@@ -198,22 +254,14 @@ class RecoveryRun:
     def _report(self, state: dict, stopped_by_max_time: bool, resumed_from: Path | None) -> dict:
         """The recovery report (``OUT/recovery_report.json``): curves, throughput, what trained, how it ran, whether
         the time budget ended the run and, on a GPU, this process's peak memory beside the --dry-run estimate."""
-        trainable, total = self.parameter_counts
-        report = {
-            "steps": state["step"],
-            "tokens_trained": state["tokens_trained"],
-            "final_loss": state["losses"][-1] if state["losses"] else None,
-            "losses": state["losses"],
-            "evaluations": state["evaluations"],
-            "seconds": state["train_seconds"],
-            "tokens_per_second": state["tokens_trained"] / max(state["train_seconds"], 1e-9),
-            "trainable_parameters": trainable,
-            "total_parameters": total,
-            "num_processes": self.world,
-            "compute_dtype": self.compute_dtype,  # as resolved for the device (bfloat16: bf16 autocast)
-            "resumed_from": str(resumed_from) if resumed_from is not None else None,
-            "stopped_by_max_time": stopped_by_max_time,
-        }
+        (trainable, total), losses, seconds = self.parameter_counts, state["losses"], state["train_seconds"]
+        report = {"steps": state["step"], "tokens_trained": state["tokens_trained"],
+                  "final_loss": losses[-1] if losses else None, "losses": losses, "evaluations": state["evaluations"],
+                  "seconds": seconds, "tokens_per_second": state["tokens_trained"] / max(seconds, 1e-9),
+                  "trainable_parameters": trainable, "total_parameters": total, "num_processes": self.world,
+                  "compute_dtype": self.compute_dtype,  # as resolved for the device (bfloat16: bf16 autocast)
+                  "resumed_from": str(resumed_from) if resumed_from is not None else None,
+                  "stopped_by_max_time": stopped_by_max_time}
         if self.devices.device.type == "cuda":
             report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.devices.device) / 1024**3, 3)
         return report
@@ -239,8 +287,7 @@ class RecoveryRun:
         accelerator.wait_for_everyone()
         if self.devices.sharded:  # the trained model in one piece on the main process (None on the others)
             trainable = gathered_trainable(self.model, accelerator)
-            self.model = self.optimizer = None  # the sharded model and optimizer let go before the model loads again
-            self.params = []
+            self.model, self.optimizer, self.params = None, None, []  # let go before the model loads again
             accelerator.free_memory()
             model = reloaded_model(config, trainable) if self.is_main else None
         else:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from common import SAMPLE_TEXT
 
-import mha2mla.train.schedule
+import mha2mla.train.loop
 from mha2mla.train import RecoverConfig, recover
 
 
@@ -36,7 +36,7 @@ def _config(model: Path, text: Path, out: Path, **overrides) -> RecoverConfig:
 def _clock(monkeypatch, seconds_per_reading: float = 10.0) -> None:
     """The budget's clock moves ``seconds_per_reading`` each time it is read (once per step, twice at the start)."""
     ticks = count(1)
-    monkeypatch.setattr(mha2mla.train.schedule, "monotonic", lambda: next(ticks) * seconds_per_reading)
+    monkeypatch.setattr(mha2mla.train.loop, "monotonic", lambda: next(ticks) * seconds_per_reading)
 
 
 def test_the_budget_stops_before_the_step_that_would_end_past_it(tiny_mla, text, tmp_path, monkeypatch):
