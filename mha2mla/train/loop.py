@@ -1,10 +1,10 @@
 """``RecoveryRun``: the model being trained and what trains it, in the shape of a torchtune recipe (docs/recover.md):
 ``setup_training`` (AdamW over the trainable parameters, the learning-rate schedule, a resumed checkpoint's
 optimizer and RNG state, everything placed by accelerate), ``train_step`` (the one optimizer step: forward, LM loss
-mixed with distillation, backward, clip, AdamW, scheduler), ``train`` (the loop: evaluations, checkpoints and steps
-until the last step or the time budget; the metrics log, the recovery report) and ``export`` (the merged model
-written to OUT). trainer.py builds it from what the run loaded; benchmarks/recover_speed.py times ``train_step`` on
-any model made ready by ``setup_training``.
+mixed with distillation, backward, clip, AdamW, scheduler), ``train`` (the loop, top to bottom: an evaluation before
+the first step, then each step with the evaluation and checkpoint due after it until the last step or the time
+budget, then the last evaluation) and ``export`` (the merged model written to OUT). trainer.py builds it from what
+the run loaded; benchmarks/recover_speed.py times ``train_step`` on any model made ready by ``setup_training``.
 
 One process (CPU or GPU) or several through ``accelerate launch`` / ``torchrun`` (DDP or FSDP2: devices.py,
 state/gather.py). Data is sharded by hand (under FSDP as under DDP): optimizer step ``s`` reads global rows
@@ -12,10 +12,11 @@ state/gather.py). Data is sharded by hand (under FSDP as under DDP): optimizer s
 process ``p`` taking rows ``(m*P + p)*B ..`` (``rows_at``); the data position is the rows consumed, with the rows'
 own ``state_dict()`` in every checkpoint, so a resumed run reads exactly the rows it would have read.
 
-The schedule: the learning rate warms up and decays (``lr_multiplier``); the time budget (``--max-time 80m``, its
-forms read by config.duration_seconds; ``TimeBudget``) stops the loop before a step that would end past it, counting
-the loop's wall time (steps, evaluations, checkpoints) summed over resumptions (``wall_seconds`` in the trainer
-state), and the run ends as any run does (the last evaluation, the model written)."""
+The schedule: the learning rate warms up and decays (``lr_multiplier``); the time budget (``--max-time 80m``,
+``TimeBudget``) stops the loop before a step that would end past it, and the run ends as any run does (the last
+evaluation, the model written). It counts the loop's wall time (steps, evaluations, checkpoints) summed over
+resumptions (``wall_seconds`` in the trainer state); the final evaluation and the export come after it. The
+setting's forms are read by config.duration_seconds."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from mha2mla.train.head_losses import micro_batch_losses
 from mha2mla.train.model.merge import reloaded_model, write_recovered
 from mha2mla.train.state import checkpoint as ckpt
 from mha2mla.train.state.gather import gathered_state, gathered_trainable, restore_state
-from mha2mla.train.state.run_log import append_log
+from mha2mla.train.state.run_log import append_log, log_evaluation, recovery_report
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,10 @@ class TimeBudget:
     past the budget (None: no budget). Every process takes the same decision (the main process's clock counts)."""
 
     def __init__(self, seconds: float | None, state: dict):
-        self.seconds, self.state, self.stopped = seconds, state, False
-        self._origin, self._last = monotonic() - state["wall_seconds"], monotonic()
+        self.seconds, self.state = seconds, state
+        self.stopped = False
+        self._origin = monotonic() - state["wall_seconds"]
+        self._last = monotonic()
 
     def spent(self, accelerator) -> bool:
         now = monotonic()
@@ -194,9 +197,7 @@ class RecoveryRun:
         """Steps from ``state`` (checkpoint.fresh_state(), or the checkpoint's at ``resumed_from``) until
         ``total_steps`` or the time budget, reading ``train_rows`` (``rows_at``; its ``state_dict()`` saved with every
         checkpoint), logging every step, evaluating on ``held_out`` before the first step, every ``eval_every`` steps
-        and after the last, checkpointing every ``save_every`` steps. Returns the recovery report. Each turn of the
-        loop: the evaluation due at this step (the last one once the run ends), the checkpoint due, then the end (the
-        last step reached, or the budget spent counting this step's evaluation and checkpoint) or the next step."""
+        and after the last, checkpointing every ``save_every`` steps. Returns the recovery report."""
         config, total = self.config, self.total_steps
         if state["data"] is not None:  # the rows' own position, as the checkpoint saved it
             train_rows.load_state_dict(state["data"])
@@ -204,28 +205,26 @@ class RecoveryRun:
         progress = tqdm(total=total, initial=state["step"], disable=not (self.is_main and show_progress), unit="step",
                         dynamic_ncols=True, desc="recover")
         self.model.train()
-        first, ending = state["step"], False
         with progress:
-            while True:
+            if state["step"] == 0:
+                self._evaluate(held_out, state)
+            while state["step"] < total and not budget.spent(self.accelerator):
+                line = self._step(train_rows, state)
+                progress.update(1)
+                progress.set_postfix_str(line)
                 step = state["step"]
-                stepped = first < step < total  # a step of this run just ended, not the last one
-                if step == 0 or ending or (stepped and config.eval_every and step % config.eval_every == 0):
+                if step < total and config.eval_every and step % config.eval_every == 0:
                     self._evaluate(held_out, state)
-                if ending:
-                    break
-                if stepped and config.save_every and step % config.save_every == 0:
+                if step < total and config.save_every and step % config.save_every == 0:
                     self._save_checkpoint(step, {**state, "data": train_rows.state_dict()})
-                ending = step >= total or budget.spent(self.accelerator)
-                if not ending:
-                    line = self._step(train_rows, state)
-                    progress.update(1)
-                    progress.set_postfix_str(line)
+            self._evaluate(held_out, state)
         return self._report(state, budget.stopped, resumed_from)
 
     def _step(self, train_rows, state: dict) -> str:
         """One optimizer step on the rows that follow ``state``'s data position: ``state`` moved on, the step's
         metrics logged; returns the progress bar's line."""
-        config, rows, started = self.config, self.rows_per_step, time.perf_counter()
+        config, rows = self.config, self.rows_per_step
+        started = time.perf_counter()
         starts = [state["rows_consumed"] + (micro * self.world + self.rank) * config.batch_size
                   for micro in range(config.grad_accum)]
         result = self.train_step(train_rows.rows_at(starts, config.batch_size))
@@ -246,21 +245,12 @@ class RecoveryRun:
         perplexity = packed_perplexity(self.model, held_out, self.config.batch_size, self.accelerator,
                                        self.devices.sharded)
         evaluations.append({"step": step, "tokens": state["tokens_trained"], "perplexity": perplexity})
-        append_log(self.config.out_path, {"step": step, "tokens": state["tokens_trained"], "eval_perplexity": perplexity},
-                   self.is_main)
-        if self.is_main:
-            log.info("step %d: held-out perplexity %.3f", step, perplexity)
+        log_evaluation(self.config.out_path, evaluations[-1], self.is_main)
 
     def _report(self, state: dict, stopped_by_max_time: bool, resumed_from: Path | None) -> dict:
-        """The recovery report (``OUT/recovery_report.json``): curves, throughput, what trained, how it ran, whether
-        the time budget ended the run and, on a GPU, this process's peak memory beside the --dry-run estimate."""
-        (trainable, total), losses, seconds = self.parameter_counts, state["losses"], state["train_seconds"]
-        report = {"steps": state["step"], "tokens_trained": state["tokens_trained"],
-                  "final_loss": losses[-1] if losses else None, "losses": losses, "evaluations": state["evaluations"],
-                  "seconds": seconds, "tokens_per_second": state["tokens_trained"] / max(seconds, 1e-9),
-                  "trainable_parameters": trainable, "total_parameters": total, "num_processes": self.world,
-                  "compute_dtype": self.compute_dtype,  # as resolved for the device (bfloat16: bf16 autocast)
-                  "resumed_from": str(resumed_from) if resumed_from is not None else None,
+        """The recovery report (run_log.recovery_report), with whether the time budget ended the run and, on a GPU,
+        this process's peak memory beside the --dry-run estimate."""
+        report = {**recovery_report(state, self.parameter_counts, self.world, self.compute_dtype, resumed_from),
                   "stopped_by_max_time": stopped_by_max_time}
         if self.devices.device.type == "cuda":
             report["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.devices.device) / 1024**3, 3)
@@ -287,7 +277,8 @@ class RecoveryRun:
         accelerator.wait_for_everyone()
         if self.devices.sharded:  # the trained model in one piece on the main process (None on the others)
             trainable = gathered_trainable(self.model, accelerator)
-            self.model, self.optimizer, self.params = None, None, []  # let go before the model loads again
+            self.model = self.optimizer = None  # the sharded model and optimizer let go before the model loads again
+            self.params = []
             accelerator.free_memory()
             model = reloaded_model(config, trainable) if self.is_main else None
         else:

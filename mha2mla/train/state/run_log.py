@@ -1,14 +1,17 @@
-"""A recovery run's record: the run folder's settings and metrics log (``train_log.jsonl``). Each function takes the
-values it writes; the loop (loop.py) holds the trainer state and writes the recovery report."""
+"""A recovery run's record: the run folder's settings and metrics log (``train_log.jsonl``) and the recovery report.
+Each function takes the values it writes; the loop (loop.py) holds the trainer state."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from mha2mla.io.model_folder import RECOVER_CONFIG
 from mha2mla.io.output import remove_stale, write_errors
 from mha2mla.io.written import record_written
+
+log = logging.getLogger(__name__)
 
 TRAIN_LOG = "train_log.jsonl"
 
@@ -48,3 +51,31 @@ def append_log(out: Path, record: dict, is_main: bool = True) -> None:
     if is_main:
         with open(out / TRAIN_LOG, "a") as handle:
             handle.write(json.dumps(record) + "\n")
+
+
+def log_evaluation(out: Path, evaluation: dict, is_main: bool = True) -> None:
+    """An evaluation (step, tokens, perplexity) in the metrics log and the run's log."""
+    append_log(out, {"step": evaluation["step"], "tokens": evaluation["tokens"],
+                     "eval_perplexity": evaluation["perplexity"]}, is_main)
+    if is_main:
+        log.info("step %d: held-out perplexity %.3f", evaluation["step"], evaluation["perplexity"])
+
+
+def recovery_report(state: dict, parameter_counts: tuple[int, int], world: int, compute_dtype: str,
+                    resumed_from: Path | None) -> dict:
+    """The recovery report (``OUT/recovery_report.json``): curves, throughput, what trained, how it ran."""
+    trainable, total = parameter_counts
+    return {
+        "steps": state["step"],
+        "tokens_trained": state["tokens_trained"],
+        "final_loss": state["losses"][-1] if state["losses"] else None,
+        "losses": state["losses"],
+        "evaluations": state["evaluations"],
+        "seconds": state["train_seconds"],
+        "tokens_per_second": state["tokens_trained"] / max(state["train_seconds"], 1e-9),
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "num_processes": world,
+        "compute_dtype": compute_dtype,  # as resolved for the device (bfloat16: bf16 autocast)
+        "resumed_from": str(resumed_from) if resumed_from is not None else None,
+    }
