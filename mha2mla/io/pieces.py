@@ -13,7 +13,7 @@ reading from any piece's locator gives the same pieces again."""
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,13 +37,11 @@ def iter_pieces(unit: str, text_field: str | None = None, start: object = None) 
     """The pieces of one unit (a file or dataset id of ``documents.units``) from the piece at ``start`` (a locator this
     function yielded; None: the beginning). Blank documents are skipped and a unit without text is an error, as
     documents.iter_located says; a blank piece inside a longer text is part of it and is kept."""
-    yield from (_text_pieces(Path(unit), start) if is_local(unit) and Path(unit).suffix.lower() in PLAIN_SUFFIXES
-                else (Piece(locator, text, True, True) for locator, text in iter_located(unit, text_field, start)))
-
-
-def located_pieces(names: Iterable[str], text_field: str | None = None) -> Iterator[tuple[int, Piece]]:
-    """``(index, piece)``: the pieces of each unit of ``names`` in order, each with its unit's index in ``names``."""
-    return ((index, piece) for index, name in enumerate(names) for piece in iter_pieces(name, text_field))
+    if is_local(unit) and Path(unit).suffix.lower() in PLAIN_SUFFIXES:
+        yield from _text_pieces(Path(unit), start)
+        return
+    for locator, text in iter_located(unit, text_field, start):
+        yield Piece(locator, text, True, True)
 
 
 def _text_pieces(path: Path, start: int | None) -> Iterator[Piece]:

@@ -34,7 +34,7 @@ import torch
 from mha2mla import UserError
 from mha2mla.io import pieces
 from mha2mla.io.documents import PLAIN_SUFFIXES, is_local, resolve_files, units
-from mha2mla.io.pieces import iter_pieces, located_pieces
+from mha2mla.io.pieces import iter_pieces
 from mha2mla.train.data.packing import PackedSequences, pack_held_out, pack_pieces, pack_token_lists, piece_ids
 
 log = logging.getLogger(__name__)
@@ -246,12 +246,13 @@ def prepare_stream(config, tokenizer, rows_needed: int) -> tuple[StreamRows, Pac
     Both are read a piece at a time (mha2mla.io.pieces); the first block is read now, so a corpus too short for one
     row, or a first file that cannot be read, is refused before the run starts."""
     names = [name for source in config.data for name in units(source)]
-    evaluation = (name for source in config.eval_data or [] for name in units(source))  # listed as they are read
-    located = located_pieces(evaluation if config.eval_data else names, config.text_field)  # the held-out rows' text
+    evaluation = (piece for source in config.eval_data or [] for name in units(source)
+                  for piece in iter_pieces(name, config.text_field))
+    located = ((index, piece) for index, name in enumerate(names) for piece in iter_pieces(name, config.text_field))
     held_out, start = None, (0, None, 0)
     if config.eval_data:
-        held_out = pack_pieces(tokenizer, (piece for _, piece in located), config.seq_len,
-                               config.eval_sequences or None, "evaluation data", config.eval_data)
+        held_out = pack_pieces(tokenizer, evaluation, config.seq_len, config.eval_sequences or None,
+                               "evaluation data", config.eval_data)
     elif config.eval_sequences:
         held_out, start = pack_held_out(located, tokenizer, config.seq_len, config.eval_sequences, names, len(names))
     rows = StreamRows(names, tokenizer, config.seq_len, config.seed, config.text_field, start)
