@@ -1,4 +1,5 @@
-"""Load a causal language model, its tokenizer or its transformers config, the one place that does: from a model
+"""Load a causal language model (or only its shapes, on the meta device), its tokenizer or its transformers config,
+the one place that does: from a model
 folder, a ``.gguf`` file (dequantised, mha2mla/io/source.py) or a hub id (downloaded into the Hugging Face cache
 first), in one dtype and attention implementation. ``eval``, ``recover`` (its teacher and student), ``convert``'s
 calibration and the tests load every model through here, so a folder that is not a causal LM, a damaged weight
@@ -12,8 +13,8 @@ from pathlib import Path
 import torch
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import check_model_folder, source_kind
-from mha2mla.io.source import load_gguf_tokenizer, load_gguf_weights, resolve_source
+from mha2mla.io.model_folder import check_causal_lm_folder, source_kind
+from mha2mla.io.source import hub_model_folder, load_gguf_tokenizer, load_gguf_weights
 from mha2mla.kernels.sdpa import mla_attention_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,26 +41,6 @@ def _first_line(error: Exception) -> str:
     return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
-def check_causal_lm_folder(folder: str | Path) -> dict:
-    """config.json of a model folder (every weight file checked to read back) that holds a causal LM; one sentence
-    for a folder of another kind of model (a masked LM, a vision model)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = check_model_folder(folder)
-    model_type = config.get("model_type")
-    architectures = config.get("architectures") or []
-    if not isinstance(architectures, list):
-        architectures = [str(architectures)]
-    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
-        not architectures or any(str(name).endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
-    )
-    if not causal:
-        what = f"a {model_type!r} model" if model_type else "a model without a model_type"
-        arch = f" ({', '.join(map(str, architectures))})" if architectures else ""
-        raise UserError(f"{folder} holds {what}{arch}, not a causal language model; pass a *ForCausalLM checkpoint.")
-    return config
-
-
 def load_config(folder: str | Path, *, hint: str = "point at a Hugging Face model folder"):
     """The transformers config (a ``PretrainedConfig``) that the config.json of the model folder ``folder``
     describes; one sentence ending in ``hint`` when transformers cannot build it (a model type it does not know)."""
@@ -71,13 +52,20 @@ def load_config(folder: str | Path, *, hint: str = "point at a Hugging Face mode
         raise UserError(f"cannot read the model config in {folder} ({_first_line(error)}); {hint}.") from None
 
 
+def meta_causal_lm(folder: str | Path):
+    """The causal LM of the model folder ``folder`` (its config.json) on the meta device: its shapes, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(folder)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def model_path(spec: str | Path) -> tuple[str, Path]:
     """The kind of a model argument (``folder``, ``gguf`` or ``hub``) and the local path it loads from: the folder,
     the .gguf file, or the hub model's downloaded folder."""
     kind = source_kind(spec)
-    if kind == "hub":
-        return kind, resolve_source(str(spec))
-    return kind, Path(spec).expanduser()
+    return kind, hub_model_folder(str(spec)) if kind == "hub" else Path(spec).expanduser()
 
 
 def load_causal_lm(spec: str | Path, dtype: str | torch.dtype | None = "auto", attention: str | None = None, *,
@@ -88,14 +76,15 @@ def load_causal_lm(spec: str | Path, dtype: str | torch.dtype | None = "auto", a
     query/key head runs ``sdpa`` and the default as ``mha2mla_sdpa`` (mha2mla/kernels/sdpa.py)."""
     from transformers import AutoModelForCausalLM
 
+    folder_dtype, gguf_file_dtype = resolve_dtype(dtype), gguf_dtype(dtype)  # an unknown dtype refused first
     kind, path = model_path(spec)
     if kind == "gguf":
         kwargs = {} if attention is None else {"attn_implementation": attention}
-        return load_gguf_weights(path, gguf_dtype(dtype), **kwargs)
+        return load_gguf_weights(path, gguf_file_dtype, **kwargs)
     config = check_causal_lm_folder(path)
     try:
         return AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=resolve_dtype(dtype), attn_implementation=mla_attention_for(config, attention),
+            str(path), dtype=folder_dtype, attn_implementation=mla_attention_for(config, attention),
             trust_remote_code=trust_remote_code,
         )
     except OSError as error:

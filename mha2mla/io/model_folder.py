@@ -1,6 +1,6 @@
 """The model folder's contract, in one place: what a model argument is (a folder, a .gguf file or a hub id), its
-config.json, the safetensors files it holds and whether they read back, the file names mha2mla writes into it, and
-the conversion report (``ConversionReport``), written and read only here.
+config.json, the safetensors files it holds and whether they read back, whether it holds a causal LM, the file names
+mha2mla writes into it, and the conversion report (``ConversionReport``), written and read only here.
 
 Every command goes through here before it loads a model, so a damaged folder gets the same sentence from
 ``convert``, ``eval``, ``recover``, ``generate`` and ``export-gguf``. Light on purpose (no torch): the CLI calls it
@@ -162,6 +162,26 @@ def check_model_folder(folder: str | Path, *, hint: str = "point at a Hugging Fa
     """config.json read and every weight file checked; returns the config."""
     config = read_config(folder, hint=hint)
     check_weights(folder)
+    return config
+
+
+def check_causal_lm_folder(folder: str | Path) -> dict:
+    """config.json of a model folder (every weight file checked to read back) that holds a causal LM; one sentence
+    for a folder of another kind of model (a masked LM, a vision model)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = check_model_folder(folder)
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list):
+        architectures = [str(architectures)]
+    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+        not architectures or any(str(name).endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    )
+    if not causal:
+        what = f"a {model_type!r} model" if model_type else "a model without a model_type"
+        arch = f" ({', '.join(map(str, architectures))})" if architectures else ""
+        raise UserError(f"{folder} holds {what}{arch}, not a causal language model; pass a *ForCausalLM checkpoint.")
     return config
 
 

@@ -243,7 +243,7 @@ def gguf_to_folder(gguf_path: str | Path) -> Path:
     return target
 
 
-def _download(repo_id: str) -> Path:
+def hub_model_folder(repo_id: str) -> Path:
     """The hub model ``repo_id`` downloaded (or found) in the Hugging Face cache; offline, only a cached copy."""
     from huggingface_hub import constants, snapshot_download
 
@@ -267,7 +267,7 @@ def resolve_source(source: str | Path) -> Path:
         return gguf_to_folder(path)
     if path.is_dir():
         return path
-    return _download(str(source))
+    return hub_model_folder(str(source))
 
 
 def open_source(source: str | Path):

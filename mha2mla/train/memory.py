@@ -1,7 +1,7 @@
 """How much memory a recovery run needs, from the model's shapes and the run's settings, before anything loads
 (``mha2mla recover --dry-run``, and the first lines of every run; docs/recover.md, "Memory").
 
-The parameter counts are exact (model/trainable.py, meta_counts): the student (and a teacher folder) are built on torch's ``meta``
+The parameter counts are exact (``meta_counts``): the student (and a teacher folder) are built on torch's ``meta``
 device from their config.json and made trainable as the run makes them (LoRA, full attention or full layers), which
 allocates nothing.
 The rest is counted per process from what the run holds at its peak, the end of a training step's forward pass
@@ -34,17 +34,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mha2mla import UserError
+from mha2mla.io.loader import meta_causal_lm
 from mha2mla.io.model_folder import CONFIG_FILE
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.data.stream import peak_bytes
 from mha2mla.train.losses import CHUNK_POSITIONS
-from mha2mla.train.model.trainable import ParameterCounts, meta_counts
+from mha2mla.train.model.trainable import ParameterCounts, count_parameters, make_trainable
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,19 @@ class MemoryEstimate:
         """One line per part and the total, in GiB."""
         parts = [f"  {name:<12} {value / GIB:8.3f} GiB" for name, value in vars(self).items()]
         return [*parts, f"  {'total':<12} {self.total / GIB:8.3f} GiB (backward and logit chunks: the larger only)"]
+
+
+def meta_counts(config: RecoverConfig) -> ParameterCounts:
+    """The parameter counts of ``config``'s run before anything loads: the student made trainable as the run makes
+    it, and the teacher when it is a model folder (a GGUF teacher is counted as the student by the estimate)."""
+    teacher = None
+    if config.teacher is not None and (Path(config.teacher) / CONFIG_FILE).is_file():
+        teacher = sum(p.numel() for p in meta_causal_lm(config.teacher).parameters())
+    student = meta_causal_lm(config.model)
+    with warnings.catch_warnings():  # peft warns that meta tensors cannot be initialised: nothing to initialise
+        warnings.simplefilter("ignore")
+        student = make_trainable(student, config.adapter, layers=config.full_layers)
+    return ParameterCounts(*count_parameters(student), teacher)
 
 
 def _widths(model_config: dict) -> tuple[int, int, int, int, int, int, int]:
@@ -128,7 +143,7 @@ def kept_and_recomputed(model_config: dict, mode: str, per_layer: int) -> tuple[
 def estimate(config: RecoverConfig, counts: ParameterCounts, total_steps: int, compute_dtype: str = "float32",
              world: int = 1, sharded: bool = False) -> MemoryEstimate:
     """The run's memory per process (``world`` processes; ``sharded``: FSDP, weights and states split over them),
-    from the parameter counts (model/trainable.py, meta_counts) and the run's optimizer steps."""
+    from the parameter counts (meta_counts) and the run's optimizer steps."""
     model_config = json.loads((Path(config.model) / CONFIG_FILE).read_text())
     trainable, total = counts.trainable, counts.total
     split = world if sharded else 1

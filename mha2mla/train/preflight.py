@@ -15,9 +15,9 @@ from mha2mla.io.model_folder import GGUF_SUFFIX, NOT_REGULAR, check_model_folder
 from mha2mla.io.output import check_destination
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.devices import Devices
-from mha2mla.train.memory import SizedRun, check_run_memory
+from mha2mla.train.memory import SizedRun, check_run_memory, meta_counts
 from mha2mla.train.model.student import STUDENT_HINT
-from mha2mla.train.model.trainable import ParameterCounts, meta_counts
+from mha2mla.train.model.trainable import ParameterCounts
 from mha2mla.train.state.resume import restore
 
 

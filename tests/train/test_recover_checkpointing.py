@@ -12,9 +12,9 @@ import torch
 from mha2mla.train import LoraSettings, RecoverConfig
 from mha2mla.train.data.packing import pack_token_lists, target_mask
 from mha2mla.train.head_losses import micro_batch_losses
-from mha2mla.train.memory import estimate
+from mha2mla.train.memory import estimate, meta_counts
 from mha2mla.train.model.student import load_student
-from mha2mla.train.model.trainable import make_trainable, meta_counts
+from mha2mla.train.model.trainable import make_trainable
 
 
 def _losses_and_grads(model_folder, lora: LoraSettings | None, checkpointing: bool):

@@ -15,8 +15,7 @@ from common import SAMPLE_TEXT, run_cli, snapshot
 from mha2mla.train import RecoverConfig
 from mha2mla.train.config import MAX_SEED
 from mha2mla.train.loop import stop_sentence
-from mha2mla.train.memory import resolve_checkpointing
-from mha2mla.train.model.trainable import meta_counts
+from mha2mla.train.memory import meta_counts, resolve_checkpointing
 
 AMPLE = 2**50  # bytes free: everything fits
 

@@ -17,8 +17,7 @@ import torch
 from common import SAMPLE_TEXT, tiny_deepseek_config, tiny_tokenizer
 
 from mha2mla.train import RecoverConfig
-from mha2mla.train.memory import GIB, estimate
-from mha2mla.train.model.trainable import meta_counts
+from mha2mla.train.memory import GIB, estimate, meta_counts
 
 REPO = Path(__file__).resolve().parents[2]
 

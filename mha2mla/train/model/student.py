@@ -1,5 +1,6 @@
 """The student of a recovery run: the converted DeepSeek-V3 MLA model, loaded with the attention kernel the run
-trains it with (``auto``: chosen from the GPU measurements, mha2mla/kernels/speed_table.py)."""
+trains it with (``auto``: chosen from the GPU measurements, mha2mla/kernels/speed_table.py), its latents balanced
+(latents.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import AttentionInterface
 from mha2mla import UserError
 from mha2mla.io.loader import load_causal_lm
 from mha2mla.io.model_folder import check_model_folder
-from mha2mla.modeling.rmsnorm import latent_scale_ratio, normalises
+from mha2mla.train.model.latents import balance_latent_scales
 
 TRITON_ATTENTION = "mha2mla_triton"
 STUDENT_HINT = "give the output folder of `mha2mla convert`"  # what a model folder that does not read back needs
@@ -67,27 +68,3 @@ def build_student(folder: str | Path, model_config: dict, attn_implementation: s
     model.config.use_cache = False
     balance_latent_scales(model)
     return model
-
-
-@torch.no_grad()
-def balance_latent_scales(model) -> None:
-    """Each attention's latent brought to the scale of the hidden state its layer reads, the inverse folded into the
-    up-projection that reads it: W_up (w * n(c)) = (s W_up) ((w / s) * n(c)), the same function (s:
-    rmsnorm.latent_scale_ratio). An up-projection reading a latent s times larger than the other projections'
-    inputs changes its output s times faster under AdamW: at the recipes' learning rate that broke a converted
-    SmolLM2 in training (docs/recover.md, "Stability"). The same for the query latent where the model has one. A
-    neutralised norm (the exact profile's) passes its latent through at its own scale and is left as it is."""
-    config = model.config
-    for layer in model.model.layers:
-        attention, reference = layer.self_attn, layer.input_layernorm.weight
-        for norm_name, down_name, up_name, channels in (
-                ("kv_a_layernorm", "kv_a_proj_with_mqa", "kv_b_proj", config.kv_lora_rank),
-                ("q_a_layernorm", "q_a_proj", "q_b_proj", config.q_lora_rank)):
-            norm, down, up = (getattr(attention, name, None) for name in (norm_name, down_name, up_name))
-            if norm is None or up is None or not normalises(down.weight, down.bias, channels):
-                continue
-            scale = latent_scale_ratio(norm.weight, reference)
-            if scale > 0:
-                norm.weight.div_(scale)
-                up.weight.mul_(scale)
-

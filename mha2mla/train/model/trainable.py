@@ -1,7 +1,7 @@
 """What trains in a recovery run: a peft LoRA adapter, every attention parameter, or every decoder-layer parameter
 (``make_trainable``), the checkpoint's values put back into those parameters, and the parameter counts, of the
-loaded student or, before anything loads, of the student built on torch's ``meta`` device (docs/recover.md,
-"Memory")."""
+loaded student or, before anything loads, of the student built on torch's ``meta`` device (memory.meta_counts;
+docs/recover.md, "Memory")."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from mha2mla import UserError
-from mha2mla.io.loader import load_config
-from mha2mla.io.model_folder import CONFIG_FILE
 from mha2mla.train.config import TRAINABLE_NORMS, LoraSettings
 
 
@@ -90,24 +88,3 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameters of ``model``."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())
-
-
-def meta_model(folder: str | Path):
-    """The causal LM of the model folder ``folder`` (its config.json) on the meta device: its shapes, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    config = load_config(folder)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def meta_counts(config) -> ParameterCounts:
-    """The parameter counts of ``config``'s run before anything loads: the student made trainable as the run makes
-    it, and the teacher when it is a model folder (a GGUF teacher is counted as the student by the estimate)."""
-    teacher = None
-    if config.teacher is not None and (Path(config.teacher) / CONFIG_FILE).is_file():
-        teacher = sum(p.numel() for p in meta_model(config.teacher).parameters())
-    with warnings.catch_warnings():  # peft warns that meta tensors cannot be initialised: nothing to initialise
-        warnings.simplefilter("ignore")
-        student = make_trainable(meta_model(config.model), config.adapter, layers=config.full_layers)
-    return ParameterCounts(*count_parameters(student), teacher)
