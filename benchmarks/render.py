@@ -142,6 +142,7 @@ def _acc(task: str) -> Callable[[dict], str]:
 # heal.py score labels of the healing-per-minute arms (docs/benchmarks.md, "Healing per minute"), in the table's words
 ROUTE_ARMS = {
     "smollm2-135m-kv0.125": "converted (the default at 12.5%), not healed",
+    "smollm2-135m-kv0.125-kfac": "converted at 12.5% with K-FAC Gauss-Newton reconstruction steps, not healed (not kept)",
     "kl-base": "KL at the head, every layer trains (the recipe's objective)",
     "kl-attn": "KL at the head, attention trains, for about the baseline's minutes",
     "kl-ild": "KL at the head + each layer's output matched to the source's, weight 1; every layer trains (not kept)",
@@ -149,8 +150,7 @@ ROUTE_ARMS = {
 }
 
 # benchmarks/recon_solvers.py's solvers, in the table's words
-SOLVERS = {"adam": "Adam, 160 steps of 4 sequences (the default)", "lbfgs": "L-BFGS, whole training set (not kept)",
-           "kfac": "K-FAC Gauss-Newton, 8 steps of 64 sequences (not kept)"}
+SOLVERS = {"adam": "Adam, 160 steps of 4 (the default)", "lbfgs": "L-BFGS, whole set", "kfac": "K-FAC, 8 steps of 64"}
 
 
 def _fits(record: dict) -> str:
@@ -220,7 +220,8 @@ TABLES: dict[str, Table] = {
         ("reconstruction min", lambda r: f"{get(r, 'figures.phase_seconds.reconstruction') / 60:.1f}"))),
     "heal-step": Table("heal.jsonl", "heal-step", (
         ("conversion", field("settings.converted")), ("weight stepped", field("figures.kind")),
-        ("loss, converted", field("figures.converted", 3)), ("loss, balanced", field("figures.balanced", 3)))),
+        ("loss, converted", field("figures.converted", 3)), ("loss, balanced", field("figures.balanced", 3))),
+        keep=lambda record: get(record, "figures.kind") in ("none", "self_attn.kv_b_proj.weight")),  # others: balancing moves nothing
     "recover-speed": Table("recover_speed.jsonl", "recovery-speed", (
         ("model", field("figures.model")), ("compute dtype", field("figures.compute_dtype")),
         ("tokens/s", field("figures.tokens_per_second", 1)))),
