@@ -59,12 +59,12 @@ def _cpuinfo() -> dict[str, str]:
 
 
 def git_commit() -> str:
-    """The checkout's commit, with ``+dirty`` when tracked files differ from it ("unknown" outside git)."""
+    """The commit, ``+dirty`` when tracked files but the records (no code) differ from it ("unknown" outside git)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                               text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/records"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")

@@ -142,6 +142,7 @@ def _acc(task: str) -> Callable[[dict], str]:
 # heal.py score labels of the healing-per-minute arms (docs/benchmarks.md, "Healing per minute"), in the table's words
 ROUTE_ARMS = {
     "smollm2-135m-kv0.125": "converted (the default at 12.5%), not healed",
+    "smollm2-135m-kv0.125-adam": "converted (the default at 12.5%), again, beside the K-FAC conversion",
     "smollm2-135m-kv0.125-kfac": "converted at 12.5% with K-FAC Gauss-Newton reconstruction steps, not healed (not kept)",
     "kl-base": "KL at the head, every layer trains (the recipe's objective)",
     "kl-attn": "KL at the head, attention trains, for about the baseline's minutes",
@@ -159,8 +160,7 @@ def _fits(record: dict) -> str:
 
 
 def _minutes(record: dict) -> str:
-    seconds = get(record, "figures.wall_seconds")
-    return "" if seconds is None else f"{seconds / 60:.1f}"
+    return "" if get(record, "figures.wall_seconds") is None else f"{get(record, 'figures.wall_seconds') / 60:.1f}"
 
 
 TABLES: dict[str, Table] = {
