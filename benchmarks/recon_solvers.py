@@ -105,7 +105,7 @@ def lbfgs(module, data, exact, seed=0, compute_dtype=None, iterations=4):
 
     started = time.time()
     train, held_out = _split(data)
-    params, masks = recon._trainable(module, exact)
+    _, masks = recon._trainable(module, exact)  # also sets which parameters train
     named = {k: p for k, p in module.named_parameters() if p.requires_grad}
     worker = recon._Worker(module, compute_dtype)
     scales = {k: float(p.detach().pow(2).mean().sqrt().clamp_min(1e-8)) for k, p in named.items()}

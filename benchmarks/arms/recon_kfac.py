@@ -1,5 +1,5 @@
-"""The K-FAC Gauss-Newton solver of benchmarks/recon_solvers.py (a measured arm, not in the product): a converted layer fitted to
-its reconstruction target in a few curvature-scaled steps, with the signature and report of
+"""The K-FAC Gauss-Newton solver of benchmarks/recon_solvers.py (a measured arm, not in the product): a converted
+layer fitted to its reconstruction target in a few curvature-scaled steps, with the signature and report of
 ``mha2mla.convert.steps.reconstruct.reconstruct``. What each step does: recon_solvers.py's docstring."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def kfac(module, data, exact, seed=0, compute_dtype=None) -> dict:
     n = data.x.shape[0]
     train = n - max(1, round(n * recon.HELD_OUT_FRACTION))
     held_out = range(train, n)
-    params, masks = recon._trainable(module, exact)
+    _, masks = recon._trainable(module, exact)  # also sets which parameters train
     named = dict(module.named_parameters())
     worker = recon._Worker(module, compute_dtype)
     taps = _Taps(worker.module)
