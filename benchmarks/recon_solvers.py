@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import harness
+from arms.problem import forward, split
 
 SOLVERS = ("adam", "lbfgs", "kfac")
 
@@ -79,24 +80,6 @@ def capture(budget: float, layers: list[int]) -> dict:
     return kept
 
 
-def _split(data):
-    import mha2mla.convert.steps.reconstruct as recon
-
-    n = data.x.shape[0]
-    held = max(1, round(n * recon.HELD_OUT_FRACTION))
-    return n - held, range(n - held, n)
-
-
-def _forward(module, data, index):
-    return module(data.x[index], position_embeddings=data.position_embeddings, attention_mask=data.attention_mask)[0]
-
-
-def _report(before: float, after: float, curve: list, steps: int, started: float, passes: float) -> dict:
-    return {"reconstruction_error": before, "reconstruction_error_after": after, "reconstruction_steps": steps,
-            "reconstruction_curve": [round(e, 5) for e in curve], "reconstruction_seconds": round(time.time() - started, 2),
-            "sequence_passes": round(passes)}
-
-
 def lbfgs(module, data, exact, seed=0, compute_dtype=None, iterations=4):
     """L-BFGS (strong Wolfe) on every training sequence, parameters in units of their RMS; the best point kept."""
     import torch
@@ -104,7 +87,7 @@ def lbfgs(module, data, exact, seed=0, compute_dtype=None, iterations=4):
     import mha2mla.convert.steps.reconstruct as recon
 
     started = time.time()
-    train, held_out = _split(data)
+    train, held_out = split(data)
     _, masks = recon._trainable(module, exact)  # also sets which parameters train
     named = {k: p for k, p in module.named_parameters() if p.requires_grad}
     worker = recon._Worker(module, compute_dtype)
@@ -120,9 +103,9 @@ def lbfgs(module, data, exact, seed=0, compute_dtype=None, iterations=4):
                 p.copy_(units[k] * scales[k])
         worker.refresh()
         loss = 0.0
-        for start in range(0, train, 8):
-            index = slice(start, min(start + 8, train))
-            part = (_forward(worker.module, data, index).float() - data.y[index]).pow(2).sum() / total
+        for first in range(0, train, 8):
+            index = slice(first, min(first + 8, train))
+            part = (forward(worker.module, data, index).float() - data.y[index]).pow(2).sum() / total
             part.backward()
             loss += float(part)
         passes[0] += train
@@ -144,8 +127,10 @@ def lbfgs(module, data, exact, seed=0, compute_dtype=None, iterations=4):
             if after > before:  # the start kept, as the default keeps it
                 p.copy_(start[k])
             p.requires_grad_(False)
-    return _report(before, min(after, before), [before, after], iterations, started,
-                   passes[0] + 2 * len(held_out) / 3)
+    return {"reconstruction_error": before, "reconstruction_error_after": min(after, before),
+            "reconstruction_steps": iterations, "reconstruction_curve": [round(before, 5), round(after, 5)],
+            "reconstruction_seconds": round(time.time() - started, 2),
+            "sequence_passes": round(passes[0] + 2 * len(held_out) / 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +167,7 @@ def fit_layers(args, solvers) -> int:
             torch.manual_seed(0)
             cpu = time.process_time()  # every thread's CPU seconds: moves far less than wall time with other load
             report = solvers[name](copy.deepcopy(module), data, exact, 0, dtype)
-            held_out = _split(data)[1]
+            held_out = split(data)[1]
             steps = report["reconstruction_steps"]  # the default's: a batch each, and a held-out forward per point
             passes = report.get("sequence_passes", steps * recon.BATCH_SEQUENCES
                                 + len(report["reconstruction_curve"]) * len(held_out) / 3)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+from arms.problem import forward, split
+
 STEPS, STEP_SEQUENCES, FACTOR_SEQUENCES, MODEL_SEQUENCES, CHUNK = 8, 64, 8, 16, 8
 DAMPING = 0.1  # each factor's damping, as a fraction of its mean eigenvalue
 MODEL_DAMPING = 0.1  # the step-size system's Levenberg-Marquardt damping, relative to its diagonal
@@ -35,7 +37,7 @@ def _output_factors(worker, taps, data, index, generator) -> dict:
     import torch
 
     taps.on = True
-    out = worker(data.x[index], position_embeddings=data.position_embeddings, attention_mask=data.attention_mask)[0]
+    out = forward(worker, data, index)
     out.backward(torch.randn(out.shape, generator=generator).to(out.dtype))
     taps.on = False
     worker.zero_grad(set_to_none=True)
@@ -50,7 +52,7 @@ def _gradient_and_inputs(worker, taps, data, index) -> tuple[dict, float]:
     for start in range(0, len(index), CHUNK):
         part = index[start : start + CHUNK]
         taps.on = True
-        out = worker(data.x[part], position_embeddings=data.position_embeddings, attention_mask=data.attention_mask)[0]
+        out = forward(worker, data, part)
         taps.on = False
         for name, a in taps.inputs.items():
             moments[name] = moments.get(name, 0) + a.T @ a
@@ -112,9 +114,7 @@ def kfac(module, data, exact, seed=0, compute_dtype=None) -> dict:
     import mha2mla.convert.steps.reconstruct as recon
 
     started = time.time()
-    n = data.x.shape[0]
-    train = n - max(1, round(n * recon.HELD_OUT_FRACTION))
-    held_out = range(train, n)
+    train, held_out = split(data)
     _, masks = recon._trainable(module, exact)  # also sets which parameters train
     named = dict(module.named_parameters())
     worker = recon._Worker(module, compute_dtype)
