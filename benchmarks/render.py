@@ -158,7 +158,8 @@ def _fits(record: dict) -> str:
 
 
 def _minutes(record: dict) -> str:
-    return "" if get(record, "figures.wall_seconds") is None else f"{get(record, 'figures.wall_seconds') / 60:.1f}"
+    seconds = get(record, "figures.wall_seconds")
+    return "" if seconds is None else f"{seconds / 60:.1f}"
 
 
 TABLES: dict[str, Table] = {
