@@ -1,4 +1,4 @@
-"""A text file as training data (mha2mla.io.pieces, mha2mla.train.data.stream, data.pack_held_out): read in pieces of
+"""A text file as training data (mha2mla.io.text_formats, mha2mla.train.data.stream, data.pack_held_out): read in pieces of
 bounded size, cut at whitespace, that pack as the whole document; a single file split between held-out and training
 rows, so `recover --data one.txt` trains with the defaults; a text too short refused in one sentence naming the rows
 it fills and the fixes; peak memory that does not grow with the file."""
@@ -16,8 +16,8 @@ import torch
 from common import SAMPLE_TEXT, CharTokenizer, run_cli, snapshot
 
 from mha2mla import UserError
-from mha2mla.io import pieces as pieces_module
-from mha2mla.io.pieces import iter_pieces
+from mha2mla.io import text_formats as pieces_module
+from mha2mla.io.documents import iter_pieces
 from mha2mla.train import RecoverConfig
 from mha2mla.train.data import stream as stream_module
 from mha2mla.train.data.packing import pack_token_lists

@@ -11,7 +11,7 @@ document start (and at the start of every row, where a long document continues),
 
 The first token of every segment is never a prediction target (it would be predicted from another document).
 
-A long document may come in pieces (mha2mla.io.pieces: a text file, cut every so many bytes): a piece that continues
+A long document may come in pieces (mha2mla.io.text_formats: a text file, cut every so many bytes): a piece that continues
 its document is tokenized alone and packed as the document's continuation (``Continued``: no EOS before it, no
 position restart), so the pieces pack as the whole document would, up to the tokens at the cuts.
 
@@ -115,7 +115,7 @@ def tokenize_documents(tokenizer, documents: Iterable[str]) -> Iterator[list[int
 
 
 def piece_ids(tokenizer, pieces: list) -> list[list[int]]:
-    """Token ids of each piece (mha2mla.io.pieces.Piece: ``text``, ``first``, ``last``), the pieces encoded in one
+    """Token ids of each piece (mha2mla.io.text_formats.Piece: ``text``, ``first``, ``last``), the pieces encoded in one
     call, as ``tokenize_documents`` encodes a document: EOS after a document's last piece only; a piece that continues
     its document is ``Continued``."""
     if not pieces:
@@ -144,7 +144,7 @@ def pack_documents(tokenizer, documents: Iterable[str], seq_len: int, max_rows: 
 
 def pack_pieces(tokenizer, pieces: Iterable, seq_len: int, max_rows: int | None, what: str,
                 sources: list[str]) -> PackedSequences:
-    """``pack_documents`` of pieces (mha2mla.io.pieces), tokenized one at a time: memory holds one piece and the rows."""
+    """``pack_documents`` of pieces (mha2mla.io.documents.iter_pieces), tokenized one at a time: memory holds one piece and the rows."""
     packed = pack_token_lists((piece_ids(tokenizer, [piece])[0] for piece in pieces), seq_len, max_rows)
     _check_one_row(packed, what, sources, seq_len)
     log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)

@@ -1,4 +1,4 @@
-"""Training rows streamed from ``--data`` (docs/recover.md, "Data"): read (mha2mla.io.pieces: records, and text files
+"""Training rows streamed from ``--data`` (docs/recover.md, "Data"): read (mha2mla.io.documents: records, and text files
 in pieces of bounded size), tokenized and packed as the run consumes them, so memory does not grow with the corpus
 and a resumed run starts at its next row without reading the corpus again.
 
@@ -32,9 +32,8 @@ from itertools import chain
 import torch
 
 from mha2mla import UserError
-from mha2mla.io import pieces
-from mha2mla.io.documents import PLAIN_SUFFIXES, is_local, resolve_files, units
-from mha2mla.io.pieces import iter_pieces
+from mha2mla.io import text_formats
+from mha2mla.io.documents import PLAIN_SUFFIXES, is_local, iter_pieces, resolve_files, units
 from mha2mla.train.data.packing import PackedSequences, pack_held_out, pack_pieces, pack_token_lists, piece_ids
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ def fingerprint(unit_names: list[str]) -> str:
 
 
 def _piece_size(name: str) -> str:
-    return f":{pieces.PIECE_BYTES}" if is_local(name) and os.path.splitext(name)[1].lower() in PLAIN_SUFFIXES else ""
+    return f":{text_formats.PIECE_BYTES}" if is_local(name) and os.path.splitext(name)[1].lower() in PLAIN_SUFFIXES else ""
 
 
 def peak_bytes(sources: list[str] | None, seq_len: int) -> int:
@@ -82,7 +81,7 @@ def peak_bytes(sources: list[str] | None, seq_len: int) -> int:
     block being built and one tokenizer call's encodings, each no larger than the local files allow (a token takes
     a byte at least, EOS aside); a path that cannot be read counts as large."""
     block = max(1, SHUFFLE_BLOCK_TOKENS // seq_len) * seq_len
-    call = TOKENIZE_CHARACTERS + pieces.PIECE_BYTES  # a call takes pieces until it holds this many characters
+    call = TOKENIZE_CHARACTERS + text_formats.PIECE_BYTES  # a call takes pieces until it holds this many characters
     try:
         sizes = [os.path.getsize(path) for source in sources or [] for path in resolve_files(source)]
     except (UserError, OSError):
@@ -243,7 +242,7 @@ class StreamRows:
 def prepare_stream(config, tokenizer, rows_needed: int) -> tuple[StreamRows, PackedSequences | None]:
     """A run's streamed training rows of ``data`` and its held-out rows: ``eval_data``'s first ``eval_sequences``
     rows (all of them for 0), or the training text's first ``eval_sequences`` rows (packing.pack_held_out), or None.
-    Both are read a piece at a time (mha2mla.io.pieces); the first block is read now, so a corpus too short for one
+    Both are read a piece at a time (documents.iter_pieces); the first block is read now, so a corpus too short for one
     row, or a first file that cannot be read, is refused before the run starts."""
     names = [name for source in config.data for name in units(source)]
     evaluation = (piece for source in config.eval_data or [] for name in units(source)
