@@ -12,7 +12,7 @@ source's (the cached GGUF, or ``--model``). Every measurement runs in a fresh pr
 
 - ``stream``: ``StreamRows.rows_at`` batch after batch until the corpus's first epoch ends (the large corpus keeps
   the data state of a block ``--resume-at`` of the way in, and a hash of every batch);
-- ``in-memory packing``: ``io.documents.iter_documents`` + ``data.pack_documents`` over the small corpus (the path before streaming; the large corpus
+- ``in-memory packing``: ``io.documents.iter_documents`` + ``data.pack_token_lists`` over the small corpus (the path before streaming; the large corpus
   would need its rows in memory, 16 bytes a token);
 - ``resume``: a fresh process loads that state and reads the next batch, checked equal to the first pass's;
 - side by side: the stream and the packing over a third, small corpus (``--ratio-tokens``) in turn, round after
@@ -123,11 +123,13 @@ def measure_stream(tokenizer, spec: dict) -> dict:
 def measure_packing(tokenizer, spec: dict) -> dict:
     """The path before streaming: the whole corpus read, tokenized and packed into memory at once."""
     from mha2mla.io.documents import iter_documents
-    from mha2mla.train.data.packing import pack_documents
+    from mha2mla.train.data.packing import pack_token_lists
 
     started = time.perf_counter()
-    documents = iter_documents(spec["corpus"], None)
-    packed = pack_documents(tokenizer, documents, spec["seq_len"], None, "corpus", [spec["corpus"]])
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    ids = (tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + eos
+           for text in iter_documents(spec["corpus"], None))  # each document whole, EOS after it
+    packed = pack_token_lists(ids, spec["seq_len"])
     return {"rows": len(packed), "tokens": len(packed) * spec["seq_len"], "seconds": time.perf_counter() - started}
 
 

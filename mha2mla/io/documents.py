@@ -70,10 +70,9 @@ def iter_located(unit: str, text_field: str | None = None, start: object = None)
     yielded; None: the beginning). Blank documents are skipped; a unit read from its beginning that yields none is
     an error."""
     local = is_local(unit)
-    if local:
-        documents = located_in_file(Path(unit), text_field, start)
-    else:
-        documents = located_in_dataset(unit, parse_dataset_id(unit), text_field, start)
+    dataset = None if local else parse_dataset_id(unit)
+    documents = located_in_file(Path(unit), text_field, start) if local else located_in_dataset(unit, dataset,
+                                                                                                 text_field, start)
     count = 0
     for located in documents:
         if located[1].strip():

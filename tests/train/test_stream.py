@@ -14,7 +14,7 @@ from mha2mla.io import documents as documents_module
 from mha2mla.train import RecoverConfig
 from mha2mla.train.data import stream as stream_module
 from mha2mla.train.data.packing import MemoryRows, RowOrder, pack_token_lists
-from mha2mla.train.data.stream import StreamRows, prepare_stream
+from mha2mla.train.data.stream import StreamRows, evaluation_rows, prepare_stream
 
 SEQ_LEN = 8
 
@@ -160,7 +160,8 @@ def test_held_out_rows_are_never_trained_on(tmp_path, kind):
 def test_eval_data_holds_out_another_text_and_training_starts_at_the_first_row(tmp_path):
     names = _corpus(tmp_path, "jsonl")
     (tmp_path / "eval.txt").write_text("e" * 100)
-    train, held_out = prepare_stream(_config(names, eval_data=[str(tmp_path / "eval.txt")]), CharTokenizer(), 10)
+    config = _config(names, eval_data=[str(tmp_path / "eval.txt")])
+    train, held_out = prepare_stream(config, CharTokenizer(), 10, evaluation_rows(config, CharTokenizer()))
     assert held_out.input_ids.unique().tolist() == [0, ord("e")] or held_out.input_ids.unique().tolist() == [ord("e")]
     assert train.state_dict()["cursor"]["first_row"] == 0 and train.start == (0, None, 0)
 

@@ -15,6 +15,7 @@ ones, so a killed run picks up where it stopped and a second run reuses the text
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -30,9 +31,10 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from mha2mla import UserError
+from mha2mla.io.cache import cache_dir
 from mha2mla.io.model_folder import CONFIG_FILE, GGUF_SUFFIX
 from mha2mla.io.output import write_errors
-from mha2mla.train.data.packing import PackedSequences
+from mha2mla.train.data.packing import MemoryRows, PackedSequences
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,27 @@ def cache_folder_for(cache_folder: Path, settings: dict) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- rows
+
+
+def generated_data(config, tokenizer, rows_needed: int, held_out=None, teacher=None, accelerator=None,
+                   show_progress: bool = True):
+    """A run's training and held-out rows when it has no ``data``: ``rows_needed`` rows of teacher-generated text,
+    and ``held_out`` (the rows of ``eval_data``) or, without it, the first ``eval_sequences`` rows of the generated
+    text (held out, as the first rows of real data are). The main process generates on the run's device; the others
+    wait for it, then read the cache."""
+    held = 0 if held_out is not None else config.eval_sequences
+    main = accelerator is None or accelerator.is_main_process
+    if accelerator is not None:
+        teacher.to(accelerator.device)  # where it will distil too (RecoveryRun.setup_training)
+    with accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext():
+        packed = generated_rows(
+            teacher, tokenizer, rows=rows_needed + held, seq_len=config.seq_len, seed=config.seed,
+            cache_folder=cache_dir() / "generated_text", temperature=config.generated_temperature,
+            top_p=config.generated_top_p, show_progress=show_progress and main, teacher_path=config.teacher)
+    if held == 0:
+        return MemoryRows(packed, config.seed), held_out
+    held_out, train = packed.split(held)
+    return MemoryRows(train, config.seed), held_out
 
 
 def generated_rows(teacher, tokenizer, *, rows: int, seq_len: int, seed: int, cache_folder: str | Path,

@@ -23,7 +23,7 @@ kept in memory (``MemoryRows``: teacher-generated text).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -104,19 +104,9 @@ def pack_token_lists(documents: Iterable[list[int]], seq_len: int, max_rows: int
     return PackedSequences(input_ids, position_ids, num_documents, total - used, unread)
 
 
-def tokenize_documents(tokenizer, documents: Iterable[str]) -> Iterator[list[int]]:
-    """Token ids of each document followed by EOS (no BOS or other special tokens)."""
-    eos = tokenizer.eos_token_id
-    for text in documents:
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        if eos is not None:
-            ids = ids + [eos]
-        yield ids
-
-
 def piece_ids(tokenizer, pieces: list) -> list[list[int]]:
     """Token ids of each piece (mha2mla.io.text_formats.Piece: ``text``, ``first``, ``last``), the pieces encoded in one
-    call, as ``tokenize_documents`` encodes a document: EOS after a document's last piece only; a piece that continues
+    call: EOS after a document's last piece only; a piece that continues
     its document is ``Continued``."""
     if not pieces:
         return []
@@ -132,19 +122,10 @@ def _check_one_row(packed: PackedSequences, what: str, sources: list[str], seq_l
                         f"sequence of {seq_len}; give more text or a smaller --seq-len.")
 
 
-def pack_documents(tokenizer, documents: Iterable[str], seq_len: int, max_rows: int | None, what: str,
-                   sources: list[str]) -> PackedSequences:
-    """Tokenize and pack ``documents`` (read from ``sources``) into at most ``max_rows`` rows; text that cannot fill
-    one row is a user error."""
-    packed = pack_token_lists(tokenize_documents(tokenizer, documents), seq_len, max_rows)
-    _check_one_row(packed, what, sources, seq_len)
-    log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)
-    return packed
-
-
 def pack_pieces(tokenizer, pieces: Iterable, seq_len: int, max_rows: int | None, what: str,
                 sources: list[str]) -> PackedSequences:
-    """``pack_documents`` of pieces (mha2mla.io.documents.iter_pieces), tokenized one at a time: memory holds one piece and the rows."""
+    """Tokenize and pack ``pieces`` (mha2mla.io.documents.iter_pieces, read from ``sources``) into at most ``max_rows``
+    rows, one piece at a time: memory holds one piece and the rows. Text that cannot fill one row is a user error."""
     packed = pack_token_lists((piece_ids(tokenizer, [piece])[0] for piece in pieces), seq_len, max_rows)
     _check_one_row(packed, what, sources, seq_len)
     log.info("%s: %d documents packed into %d rows of %d tokens", what, packed.num_documents, len(packed), seq_len)

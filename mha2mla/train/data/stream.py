@@ -239,23 +239,28 @@ class StreamRows:
 # ---------------------------------------------------------------------------------------------- a run's rows
 
 
-def prepare_stream(config, tokenizer, rows_needed: int) -> tuple[StreamRows, PackedSequences | None]:
-    """A run's streamed training rows of ``data`` and its held-out rows: ``eval_data``'s first ``eval_sequences``
-    rows (all of them for 0), or the training text's first ``eval_sequences`` rows (packing.pack_held_out), or None.
-    Both are read a piece at a time (documents.iter_pieces); the first block is read now, so a corpus too short for one
-    row, or a first file that cannot be read, is refused before the run starts."""
+def prepare_stream(config, tokenizer, rows_needed: int, held_out: PackedSequences | None = None
+                   ) -> tuple[StreamRows, PackedSequences | None]:
+    """A run's streamed training rows of ``data`` and its held-out rows: ``held_out`` when given (the rows of
+    ``eval_data``: ``evaluation_rows``), else the training text's first ``eval_sequences`` rows (packing.pack_held_out),
+    or None. Both are read a piece at a time (documents.iter_pieces); the first block is read now, so a corpus too short
+    for one row, or a first file that cannot be read, is refused before the run starts."""
     names = [name for source in config.data for name in units(source)]
-    evaluation = (piece for source in config.eval_data or [] for name in units(source)
-                  for piece in iter_pieces(name, config.text_field))
     located = ((index, piece) for index, name in enumerate(names) for piece in iter_pieces(name, config.text_field))
-    held_out, start = None, (0, None, 0)
-    if config.eval_data:
-        held_out = pack_pieces(tokenizer, evaluation, config.seq_len, config.eval_sequences or None,
-                               "evaluation data", config.eval_data)
-    elif config.eval_sequences:
+    start = (0, None, 0)
+    if held_out is None and config.eval_sequences:
         held_out, start = pack_held_out(located, tokenizer, config.seq_len, config.eval_sequences, names, len(names))
     rows = StreamRows(names, tokenizer, config.seq_len, config.seed, config.text_field, start)
     rows.rows_at([0], 1)
     log.info("training data: %d files or datasets streamed in a seeded order per epoch, rows shuffled in blocks of %d; "
              "the run reads %d rows", len(names), rows.block_rows, rows_needed)
     return rows, held_out
+
+
+def evaluation_rows(config, tokenizer) -> PackedSequences:
+    """The held-out rows of ``eval_data``: its first ``eval_sequences`` rows (all of them for 0), read a piece at a
+    time, whatever the training text is."""
+    pieces = (piece for source in config.eval_data for name in units(source)
+              for piece in iter_pieces(name, config.text_field))
+    return pack_pieces(tokenizer, pieces, config.seq_len, config.eval_sequences or None, "evaluation data",
+                       config.eval_data)
