@@ -64,7 +64,7 @@ class RecoverConfig(BaseModel):
                                    "Hugging Face dataset id (name or name@split); none: the default healing text (default_data)")
     out: str = Field(description="output folder: checkpoints (OUT/checkpoints) during the run, the recovered model at "
                      "the end")
-    teacher: str | None = Field(None, description="source model (HF folder or .gguf) to distil from")
+    teacher: str | None = Field(None, description="source model (HF folder, .gguf or hub id) to distil from")
     eval_data: list[str] | None = Field(None, description="held-out text for perplexity (default: rows held out of the data)")
 
     # data

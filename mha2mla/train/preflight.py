@@ -1,5 +1,5 @@
 """Everything a user can get wrong about a recovery run, checked before anything loads or OUT is touched, in one
-place: the model folder (and the teacher: a folder or a ``.gguf`` file), OUT (not an input, not above the current
+place: the model folder (and the teacher: a folder, a ``.gguf`` file or a hub id), OUT (not an input, not above the current
 folder, writable), the run folder's state and the checkpoint to resume (state/resume.py), and the memory the run needs
 on its device (memory.py), which decides its activation checkpointing once (``auto``). What the checks read comes
 back as the run's ``Plan``; its estimate is logged (``log_estimate``) once the run's data has read, so that a bad
@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2mla import UserError
-from mha2mla.io.model_folder import GGUF_SUFFIX, NOT_REGULAR, check_model_folder
+from mha2mla.io.model_folder import check_model_folder, source_kind
 from mha2mla.io.output import check_destination
 from mha2mla.train.config import RecoverConfig
 from mha2mla.train.devices import Devices
 from mha2mla.train.memory import SizedRun, check_run_memory, meta_counts
 from mha2mla.train.model.student import STUDENT_HINT
+from mha2mla.train.model.teacher import TEACHER_HINT
 from mha2mla.train.model.trainable import ParameterCounts
 from mha2mla.train.state.resume import restore
 
@@ -47,16 +48,8 @@ def preflight(config: RecoverConfig, resume: str | None, devices: Devices) -> Pl
     total_steps = config.total_steps(devices.world)
     settings = config.outcome_fields()
     model_config = check_model_folder(config.model, hint=STUDENT_HINT)
-    if config.teacher is not None:
-        teacher = Path(config.teacher).expanduser()
-        if not teacher.exists():
-            raise UserError(f"teacher {config.teacher} does not exist; give the source model folder or its .gguf file.")
-        if teacher.is_file() and teacher.suffix.lower() != GGUF_SUFFIX:
-            raise UserError(f"teacher {config.teacher} is a file but not a .gguf; give a model folder or a .gguf file.")
-        if teacher.is_dir():
-            check_model_folder(teacher, hint=STUDENT_HINT)
-        elif not teacher.is_file():
-            raise UserError(f"teacher {config.teacher} is {NOT_REGULAR}; give the source model folder or its .gguf file.")
+    if config.teacher is not None and teacher_kind(config.teacher) == "folder":  # a hub id downloads when it loads
+        check_model_folder(config.teacher, hint=TEACHER_HINT)
     inputs = [("the model being recovered", config.model), ("the teacher", config.teacher)]
     inputs += [("the training data", spec) for spec in config.data or []]
     inputs += [("the held-out data", spec) for spec in config.eval_data or []]
@@ -65,3 +58,11 @@ def preflight(config: RecoverConfig, resume: str | None, devices: Devices) -> Pl
     counts = meta_counts(config)
     sized = check_run_memory(config, counts, total_steps, devices)
     return Plan(model_config, total_steps, settings, resume_from, saved, counts, sized)
+
+
+def teacher_kind(teacher: str) -> str:
+    """``folder``, ``gguf`` or ``hub`` for ``--teacher`` (io/model_folder.source_kind), its sentence naming the flag."""
+    try:
+        return source_kind(teacher)
+    except UserError as error:
+        raise UserError(f"--teacher: {error}") from None

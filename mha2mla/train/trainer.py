@@ -13,6 +13,7 @@ import logging
 import torch
 from accelerate.utils import set_seed
 
+from mha2mla.io.loader import load_tokenizer
 from mha2mla.modeling.checkpointing import enable_checkpointing
 from mha2mla.train import RunInterrupted
 from mha2mla.train.config import RecoverConfig
@@ -20,8 +21,8 @@ from mha2mla.train.data.rows import prepare_rows
 from mha2mla.train.devices import start_devices
 from mha2mla.train.loop import RecoveryRun
 from mha2mla.train.memory import log_estimate
-from mha2mla.train.model.student import build_student
-from mha2mla.train.model.teacher import load_teacher, load_tokenizer
+from mha2mla.train.model.student import STUDENT_HINT, build_student
+from mha2mla.train.model.teacher import load_teacher
 from mha2mla.train.model.trainable import check_trainable_shapes, load_trainable_state, make_trainable
 from mha2mla.train.preflight import preflight
 from mha2mla.train.state.checkpoint import fresh_state, interrupted_sentence
@@ -41,7 +42,7 @@ def recover(config: RecoverConfig, resume: str | None = None, show_progress: boo
         devices = start_devices(config)
         plan = preflight(config, resume, devices)
         config = plan.config  # activation checkpointing decided (auto resolved), once, by the preflight
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = load_tokenizer(config.model, hint=f"{STUDENT_HINT}, which holds its tokenizer")  # written with the model
         vocab = plan.model_config.get("vocab_size")
         writes_text = not config.data and config.default_data == "generated"  # the teacher writes the text first
         teacher = load_teacher(config.teacher, config.attn_implementation, devices.dtype, vocab) if writes_text else None

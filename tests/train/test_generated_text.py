@@ -12,11 +12,12 @@ import torch
 from common import build_source, run_cli
 
 from mha2mla import UserError
+from mha2mla.io.loader import load_tokenizer
 from mha2mla.train import RecoverConfig, recover
 from mha2mla.train.data import generated as generated_module
 from mha2mla.train.data.generated import document_positions, generated_rows
 from mha2mla.train.data.packing import target_mask
-from mha2mla.train.model.teacher import load_teacher, load_tokenizer
+from mha2mla.train.model.teacher import load_teacher
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from common import SAMPLE_TEXT, build_source
 from transformers import AutoModelForCausalLM
 
+from mha2mla.io.loader import load_tokenizer
 from mha2mla.recipes import build_settings
 from mha2mla.train import SOURCE_LORA_TARGETS, LoraSettings, RecoverConfig, losses, recover
 from mha2mla.train.data.packing import RowOrder, pack_token_lists, target_mask
@@ -26,7 +27,6 @@ from mha2mla.train.devices import start_devices
 from mha2mla.train.loop import RecoveryRun
 from mha2mla.train.model.merge import write_recovered
 from mha2mla.train.model.student import load_student
-from mha2mla.train.model.teacher import load_tokenizer
 from mha2mla.train.model.trainable import make_trainable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -252,6 +252,28 @@ def test_distillation_from_a_source_teacher(tiny_mla, corpus, tmp_path):
     mixed = 0.3 * steps[0]["lm_loss"] + 0.7 * steps[0]["distill_loss"]
     assert steps[0]["loss"] == pytest.approx(mixed, rel=1e-5)
     assert report["steps"] == 6 and (out / "model.safetensors").exists()
+
+
+
+def test_a_teacher_given_as_a_hub_id_loads_from_the_hugging_face_cache(tiny_mla, corpus, tmp_path, monkeypatch):
+    """--teacher owner/name: the source model as the hub keeps it, read from the Hugging Face cache (offline here, as
+    in every test: a snapshot laid out the way huggingface_hub writes one), distils like the same folder would."""
+    from huggingface_hub import constants
+
+    hub = tmp_path / "hf-cache"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    build_source(hub / "models--someone--tiny-source" / "snapshots" / commit, vocab_size=384)
+    (hub / "models--someone--tiny-source" / "refs").mkdir()
+    (hub / "models--someone--tiny-source" / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    reports = {}
+    for name, teacher in {"hub": "someone/tiny-source", "folder": str(build_source(tmp_path / "source", vocab_size=384))}.items():
+        settings = {"teacher": teacher, "max_steps": 2, "eval_every": 0, "distill_weight": 0.7}
+        recover(_config(tiny_mla, corpus, tmp_path / f"out-{name}", **settings), show_progress=False)
+        log = [json.loads(line) for line in (tmp_path / f"out-{name}" / "train_log.jsonl").read_text().splitlines()]
+        reports[name] = [record["distill_loss"] for record in log if "loss" in record]
+    assert len(reports["hub"]) == 2 and reports["hub"] == reports["folder"]
 
 
 def test_train_step_trains_a_source_model_with_lora_settings(tmp_path):

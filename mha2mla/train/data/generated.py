@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from mha2mla import UserError
 from mha2mla.io.cache import cache_dir
+from mha2mla.io.loader import model_path
 from mha2mla.io.model_folder import CONFIG_FILE, GGUF_SUFFIX
 from mha2mla.io.output import write_errors
 from mha2mla.train.data.packing import MemoryRows, PackedSequences
@@ -168,7 +169,8 @@ def generated_data(config, tokenizer, rows_needed: int, held_out=None, teacher=N
         packed = generated_rows(
             teacher, tokenizer, rows=rows_needed + held, seq_len=config.seq_len, seed=config.seed,
             cache_folder=cache_dir() / "generated_text", temperature=config.generated_temperature,
-            top_p=config.generated_top_p, show_progress=show_progress and main, teacher_path=config.teacher)
+            top_p=config.generated_top_p, show_progress=show_progress and main,
+            teacher_path=model_path(config.teacher)[1])  # a hub id's downloaded folder
     if held == 0:
         return MemoryRows(packed, config.seed), held_out
     held_out, train = packed.split(held)
