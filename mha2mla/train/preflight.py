@@ -48,8 +48,13 @@ def preflight(config: RecoverConfig, resume: str | None, devices: Devices) -> Pl
     total_steps = config.total_steps(devices.world)
     settings = config.outcome_fields()
     model_config = check_model_folder(config.model, hint=STUDENT_HINT)
-    if config.teacher is not None and teacher_kind(config.teacher) == "folder":  # a hub id downloads when it loads
-        check_model_folder(config.teacher, hint=TEACHER_HINT)
+    if config.teacher is not None:  # a folder, a .gguf file or a hub id (downloaded when it loads)
+        try:
+            teacher_kind = source_kind(config.teacher)
+        except UserError as error:
+            raise UserError(f"--teacher: {error}") from None
+        if teacher_kind == "folder":
+            check_model_folder(config.teacher, hint=TEACHER_HINT)
     inputs = [("the model being recovered", config.model), ("the teacher", config.teacher)]
     inputs += [("the training data", spec) for spec in config.data or []]
     inputs += [("the held-out data", spec) for spec in config.eval_data or []]
@@ -58,11 +63,3 @@ def preflight(config: RecoverConfig, resume: str | None, devices: Devices) -> Pl
     counts = meta_counts(config)
     sized = check_run_memory(config, counts, total_steps, devices)
     return Plan(model_config, total_steps, settings, resume_from, saved, counts, sized)
-
-
-def teacher_kind(teacher: str) -> str:
-    """``folder``, ``gguf`` or ``hub`` for ``--teacher`` (io/model_folder.source_kind), its sentence naming the flag."""
-    try:
-        return source_kind(teacher)
-    except UserError as error:
-        raise UserError(f"--teacher: {error}") from None
