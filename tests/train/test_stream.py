@@ -14,7 +14,8 @@ from mha2mla.io import documents as documents_module
 from mha2mla.train import RecoverConfig
 from mha2mla.train.data import stream as stream_module
 from mha2mla.train.data.packing import MemoryRows, RowOrder, pack_token_lists
-from mha2mla.train.data.stream import StreamRows, evaluation_rows, prepare_stream
+from mha2mla.train.data.rows import evaluation_rows
+from mha2mla.train.data.stream import StreamRows, prepare_stream
 
 SEQ_LEN = 8
 

@@ -7,15 +7,17 @@ memory. ``prepare_rows`` is the one entry point: every source gives training row
 
 from __future__ import annotations
 
+from mha2mla.io.documents import iter_pieces, units
 from mha2mla.train.data.generated import generated_data
 from mha2mla.train.data.healing import default_data
-from mha2mla.train.data.stream import evaluation_rows, prepare_stream
+from mha2mla.train.data.packing import PackedSequences, pack_pieces
+from mha2mla.train.data.stream import prepare_stream
 
 
 def prepare_rows(config, tokenizer, rows_needed: int, teacher=None, accelerator=None, show_progress: bool = True):
     """The training rows of a run (``rows_at(starts, size)``, ``state_dict()``, ``load_state_dict(state)``: see
     packing.MemoryRows) and its held-out rows (PackedSequences or None). The held-out text ``eval_data`` is read
-    first, whatever the training text (stream.evaluation_rows), so that it is refused before any text is generated.
+    first, whatever the training text (``evaluation_rows``), so that it is refused before any text is generated.
     With no ``data`` and ``default_data`` generated, the training text is what the teacher writes (generated_data);
     else it is streamed (stream.prepare_stream) from ``data`` or, without it, from the default healing text of general
     domains (healing.default_data; docs/recover.md, "No dataset")."""
@@ -25,3 +27,12 @@ def prepare_rows(config, tokenizer, rows_needed: int, teacher=None, accelerator=
     if not config.data:
         config = config.model_copy(update={"data": default_data(config)})
     return prepare_stream(config, tokenizer, rows_needed, given)
+
+
+def evaluation_rows(config, tokenizer) -> PackedSequences:
+    """The held-out rows of ``eval_data``: its first ``eval_sequences`` rows (all of them for 0), read a piece at a
+    time, whatever the training text is."""
+    pieces = (piece for source in config.eval_data for name in units(source)
+              for piece in iter_pieces(name, config.text_field))
+    return pack_pieces(tokenizer, pieces, config.seq_len, config.eval_sequences or None, "evaluation data",
+                       config.eval_data)

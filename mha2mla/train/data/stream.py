@@ -34,7 +34,7 @@ import torch
 from mha2mla import UserError
 from mha2mla.io import text_formats
 from mha2mla.io.documents import PLAIN_SUFFIXES, is_local, iter_pieces, resolve_files, units
-from mha2mla.train.data.packing import PackedSequences, pack_held_out, pack_pieces, pack_token_lists, piece_ids
+from mha2mla.train.data.packing import PackedSequences, pack_held_out, pack_token_lists, piece_ids
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class StreamRows:
 def prepare_stream(config, tokenizer, rows_needed: int, held_out: PackedSequences | None = None
                    ) -> tuple[StreamRows, PackedSequences | None]:
     """A run's streamed training rows of ``data`` and its held-out rows: ``held_out`` when given (the rows of
-    ``eval_data``: ``evaluation_rows``), else the training text's first ``eval_sequences`` rows (packing.pack_held_out),
+    ``eval_data``: rows.evaluation_rows), else the training text's first ``eval_sequences`` rows (packing.pack_held_out),
     or None. Both are read a piece at a time (documents.iter_pieces); the first block is read now, so a corpus too short
     for one row, or a first file that cannot be read, is refused before the run starts."""
     names = [name for source in config.data for name in units(source)]
@@ -255,12 +255,3 @@ def prepare_stream(config, tokenizer, rows_needed: int, held_out: PackedSequence
     log.info("training data: %d files or datasets streamed in a seeded order per epoch, rows shuffled in blocks of %d; "
              "the run reads %d rows", len(names), rows.block_rows, rows_needed)
     return rows, held_out
-
-
-def evaluation_rows(config, tokenizer) -> PackedSequences:
-    """The held-out rows of ``eval_data``: its first ``eval_sequences`` rows (all of them for 0), read a piece at a
-    time, whatever the training text is."""
-    pieces = (piece for source in config.eval_data for name in units(source)
-              for piece in iter_pieces(name, config.text_field))
-    return pack_pieces(tokenizer, pieces, config.seq_len, config.eval_sequences or None, "evaluation data",
-                       config.eval_data)
