@@ -84,7 +84,7 @@ class MemoryEstimate:
 
 def meta_counts(config: RecoverConfig) -> ParameterCounts:
     """The parameter counts of ``config``'s run before anything loads: the student made trainable as the run makes
-    it, and the teacher when it is a model folder (a GGUF teacher is counted as the student by the estimate)."""
+    it, and the teacher when it is a model folder (a GGUF or hub teacher is counted as the student by the estimate)."""
     teacher = None
     if config.teacher is not None and (Path(config.teacher) / CONFIG_FILE).is_file():
         teacher = sum(p.numel() for p in meta_causal_lm(config.teacher).parameters())

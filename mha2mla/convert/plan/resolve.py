@@ -190,9 +190,7 @@ def make_plan(config: dict, family: Family, options: ConvertConfig, *, source_fo
     """Resolve every choice once: the product's method set for ``options`` (plan/methods.py), sizes, dtypes and
     the calibration settings. ``source_format``: ``gguf`` sources (quantised or half precision) default to a
     bfloat16 output."""
-    shape = SourceShape.from_config(config, family)
-    if shape.num_heads % shape.num_kv_heads:
-        raise UserError(f"num_attention_heads {shape.num_heads} is not a multiple of num_key_value_heads {shape.num_kv_heads}.")
+    shape = SourceShape.from_config(config, family)  # its sizes checked there (heads split evenly among KV heads)
     if shape.head_dim % 2:
         raise UserError(f"head dim {shape.head_dim} is odd; RoPE needs an even head dim.")
     exact = options.profile == "exact"
