@@ -1,9 +1,9 @@
 """Everything a user can get wrong about a recovery run, checked before anything loads or OUT is touched, in one
-place: the model folder (and the teacher: a folder, a ``.gguf`` file or a hub id), OUT (not an input, not above the current
-folder, writable), the run folder's state and the checkpoint to resume (state/resume.py), and the memory the run needs
-on its device (memory.py), which decides its activation checkpointing once (``auto``). What the checks read comes
-back as the run's ``Plan``; its estimate is logged (``log_estimate``) once the run's data has read, so that a bad
-input is the only line a refused run prints."""
+place: the model folder (and the teacher: a folder, a ``.gguf`` file or a hub id), OUT (not an input, not above the
+current folder, writable), the run folder's state and the checkpoint to resume (state/resume.py), and the memory the
+run needs on its device (memory.py), which decides its activation checkpointing once (``auto``). What the checks read
+comes back as the run's ``Plan``; its estimate is logged (``log_estimate``) once the run's data has read, so that a
+bad input is the only line a refused run prints."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """``recover(config)``: the public entry point of recovery fine-tuning, the run read top to bottom: the devices and
 compute dtype (devices.py), the checks (preflight.py, which also decides the activation checkpointing and reads the
-checkpoint to resume), the tokenizer and teacher (model/teacher.py), the training and held-out rows (data/rows.py),
-the memory estimate logged, the student and what trains of it (model/student.py, model/trainable.py), the
-``RecoveryRun`` that trains it (loop.py) in its run folder (state/run_log.py, state/checkpoint.py), and the merged
-model written to OUT (model/merge.py)."""
+checkpoint to resume), the tokenizer (io/loader.py) and teacher (model/teacher.py), the training and held-out rows
+(data/rows.py), the memory estimate logged, the student and what trains of it (model/student.py,
+model/trainable.py), the ``RecoveryRun`` that trains it (loop.py) in its run folder (state/run_log.py,
+state/checkpoint.py), and the merged model written to OUT (model/merge.py)."""
 
 from __future__ import annotations
 
