@@ -443,6 +443,7 @@ def _run_main(monkeypatch, capsys, args: list[str]) -> tuple[int, str]:
         ("not_utf8", "is not UTF-8"),
         ("too_short", "fewer than one packed sequence"),
         ("missing_teacher", "teacher"),
+        ("hub_teacher_offline", "offline machine"),
         ("missing_data", "does not exist"),
     ],
 )
@@ -457,6 +458,12 @@ def test_bad_input_is_one_sentence_and_leaves_no_output(tiny_mla, corpus, tmp_pa
     elif case == "missing_teacher":
         data = corpus
         extra = ["--teacher", str(tmp_path / "no-such-source.gguf")]
+    elif case == "hub_teacher_offline":  # a hub id the empty Hugging Face cache does not hold, offline
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        data, extra = corpus, ["--teacher", "nosuch-owner/nosuch-model"]
     else:
         data = tmp_path / "nowhere.txt"
     out = tmp_path / "out"
