@@ -155,7 +155,7 @@ def cache_folder_for(cache_folder: Path, settings: dict) -> Path:
 # ---------------------------------------------------------------------------------------------- rows
 
 
-def generated_data(config, tokenizer, rows_needed: int, held_out=None, teacher=None, accelerator=None,
+def generated_data(config, tokenizer, rows_needed: int, teacher, held_out=None, accelerator=None,
                    show_progress: bool = True):
     """A run's training and held-out rows when it has no ``data``: ``rows_needed`` rows of teacher-generated text,
     and ``held_out`` (the rows of ``eval_data``) or, without it, the first ``eval_sequences`` rows of the generated
@@ -173,8 +173,8 @@ def generated_data(config, tokenizer, rows_needed: int, held_out=None, teacher=N
             teacher_path=model_path(config.teacher)[1])  # a hub id's downloaded folder
     if held == 0:
         return MemoryRows(packed, config.seed), held_out
-    held_out, train = packed.split(held)
-    return MemoryRows(train, config.seed), held_out
+    first_rows, train = packed.split(held)
+    return MemoryRows(train, config.seed), first_rows
 
 
 def generated_rows(teacher, tokenizer, *, rows: int, seq_len: int, seed: int, cache_folder: str | Path,

@@ -23,7 +23,7 @@ def prepare_rows(config, tokenizer, rows_needed: int, teacher=None, accelerator=
     domains (healing.default_data; docs/recover.md, "No dataset")."""
     given = evaluation_rows(config, tokenizer) if config.eval_data else None
     if not config.data and config.default_data == "generated":
-        return generated_data(config, tokenizer, rows_needed, given, teacher, accelerator, show_progress)
+        return generated_data(config, tokenizer, rows_needed, teacher, given, accelerator, show_progress)
     if not config.data:
         config = config.model_copy(update={"data": default_data(config)})
     return prepare_stream(config, tokenizer, rows_needed, given)
