@@ -39,12 +39,10 @@ from mha2mla.io.model_folder import NOT_REGULAR
 from mha2mla.io.text_formats import (
     PLAIN_SUFFIXES,
     SUFFIX_LIST,
-    TEXT_FIELDS,
     TEXT_SUFFIXES,
     Piece,
     located_in_dataset,
     located_in_file,
-    record_text,
     text_pieces,
 )
 
@@ -70,9 +68,10 @@ def iter_located(unit: str, text_field: str | None = None, start: object = None)
     yielded; None: the beginning). Blank documents are skipped; a unit read from its beginning that yields none is
     an error."""
     local = is_local(unit)
-    dataset = None if local else parse_dataset_id(unit)
-    documents = located_in_file(Path(unit), text_field, start) if local else located_in_dataset(unit, dataset,
-                                                                                                 text_field, start)
+    if local:
+        documents = located_in_file(Path(unit), text_field, start)
+    else:
+        documents = located_in_dataset(unit, parse_dataset_id(unit), text_field, start)
     count = 0
     for located in documents:
         if located[1].strip():
@@ -129,5 +128,5 @@ def parse_dataset_id(spec: str) -> tuple[str, str | None, str]:
     return name, config or None, split or DEFAULT_SPLIT
 
 
-__all__ = ["PLAIN_SUFFIXES", "TEXT_FIELDS", "TEXT_SUFFIXES", "is_local", "iter_documents", "iter_located",
-           "iter_pieces", "parse_dataset_id", "record_text", "resolve_files", "units"]
+__all__ = ["PLAIN_SUFFIXES", "TEXT_SUFFIXES", "is_local", "iter_documents", "iter_located",
+           "iter_pieces", "parse_dataset_id", "resolve_files", "units"]
